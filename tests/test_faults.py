@@ -1,0 +1,122 @@
+"""Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from proton import Proton, ProtonConfig
+from reference import clustered_stream
+
+T, E = clustered_stream(3, 16, 300, seed=7)
+CFG = ProtonConfig(bank_size=10, k_min=2, temperature=0.2)
+
+
+def snapshot(det):
+    sd = det.state_dict()
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def same_state(a, b):
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def with_nan(x):
+    x = x.copy(); x[4, 2] = np.nan; return x
+
+
+def with_inf(x):
+    x = x.copy(); x[0, 0] = np.inf; return x
+
+
+def with_zero_row(x):
+    x = x.copy(); x[6] = 0; return x
+
+
+BAD_BATCHES = {
+    "nan": (with_nan, "NaN or Inf values (first offending rows: [4])"),
+    "inf": (with_inf, "NaN or Inf"),
+    "zero row": (with_zero_row, "rows [6] have zero length"),
+    "wrong dimension": (lambda x: x[:, :10], "dimension 10, expected 16"),
+    "3-D": (lambda x: x[:, :, None], "must have shape (N, d) or (d,)"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BATCHES))
+def test_bad_batch_is_refused_and_state_kept(name):
+    det = Proton(T, CFG)
+    det.score(E[:100])
+    before = snapshot(det)
+    corrupt, message = BAD_BATCHES[name]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        det.score(corrupt(E[100:120]))
+    assert same_state(snapshot(det), before)
+    # and the stream continues exactly as if the bad call never happened
+    clean = Proton(T, CFG); clean.score(E[:100])
+    assert torch.equal(det.score(E[100:]), clean.score(E[100:]))
+
+
+def test_misbehaving_base_score_is_refused():
+    det = Proton(T, ProtonConfig(base_score=lambda logits: logits[:, 0] * np.nan))
+    with pytest.raises(ValueError, match="base score returned NaN or Inf"): det.score(E[:5])
+    det = Proton(T, ProtonConfig(base_score=lambda logits: logits))
+    with pytest.raises(ValueError, match=r"base score must return a tensor of shape \(5,\)"): det.score(E[:5])
+    assert det.welford.n == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gamma=0.0), "gamma must be in"), (dict(gamma=1.5), "gamma must be in"),
+    (dict(bank_size=4, k_min=5), "bank_size must be an integer at least k_min"),
+    (dict(k_min=0), "k_min must be a positive integer"),
+    (dict(temperature=0.0), "temperature must be positive"), (dict(temperature=-1.0), "temperature must be positive"),
+    (dict(temperature=float("inf")), "temperature must be positive and finite"),
+    (dict(alpha_min=0.9, alpha_max=0.7), "alpha_min <= alpha_max"),
+    (dict(var_ref=-0.1), "var_ref must be non-negative"),
+    (dict(base_score="odin"), "unknown base score 'odin'"),
+])
+def test_bad_config(kwargs, message):
+    with pytest.raises(ValueError, match=message): ProtonConfig(**kwargs)
+
+
+def test_bad_text_embeddings():
+    with pytest.raises(ValueError, match="text embeddings contains NaN"): Proton(with_nan(np.eye(8)))
+    with pytest.raises(ValueError, match="text embeddings rows \\[1\\] have zero length"): Proton(np.array([[1.0, 0], [0, 0]]))
+
+
+def test_empty_batch():
+    det = Proton(T, CFG)
+    for empty in (np.zeros((0, 16)), torch.zeros(0, 16), []):
+        out = det.score(empty)
+        assert isinstance(out, torch.Tensor) and out.shape == (0,)
+    parts = det.score(np.zeros((0, 16)), return_parts=True)
+    assert all(len(p) == 0 for p in parts) and det.welford.n == 0
+
+
+def test_restore_mid_stream_through_a_file(tmp_path):
+    det = Proton(T, CFG)
+    det.score(E[:137])
+    torch.save(det.state_dict(), tmp_path / "state.pt")
+    restored = Proton(T, CFG).load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert torch.equal(restored.score(E[137:]), det.score(E[137:]))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("format", "proton-state-0", "unknown state format"),
+    ("counts", torch.tensor([11, 0, 0]), r"state counts must be 3 integers in \[0, 10\]"),
+    ("bank", torch.zeros(3, 9, 16), r"state bank has shape \(3, 9, 16\)"),
+    ("welford", torch.tensor([-1.0, 0, 0], dtype=torch.float64), "welford moments"),
+    ("welford", torch.tensor([3.0, np.nan, 0], dtype=torch.float64), "NaN"),
+    ("text_embeddings", torch.zeros(2, 16), "different text embeddings"),
+])
+def test_corrupt_state_is_refused(key, value, message):
+    det = Proton(T, CFG); det.score(E[:60])
+    before = snapshot(det)
+    sd = det.state_dict(); sd[key] = value
+    target = Proton(T, CFG); target.score(E[:60])
+    with pytest.raises(ValueError, match=message): target.load_state_dict(sd)
+    assert same_state(snapshot(target), before)
+
+
+def test_state_from_another_configuration_is_refused():
+    sd = Proton(T, CFG).state_dict()
+    with pytest.raises(ValueError, match=r"bank_size=10 \(here 100\)"): Proton(T, ProtonConfig(temperature=0.2, k_min=2)).load_state_dict(sd)

@@ -13,7 +13,7 @@ licenses = {"apache2": ("Apache Software License 2.0", "OSI Approved :: Apache S
 statuses = ["Planning", "Pre-Alpha", "Alpha", "Beta", "Production/Stable", "Mature", "Inactive"]
 lic = licenses[cfg["license"]]
 reqs = lambda key: cfg.get(key, "").split()
-plot, vlm, dev = reqs("plot_requirements"), reqs("vlm_requirements"), reqs("dev_requirements")
+plot, vlm, data, dev = (reqs(f"{k}_requirements") for k in ("plot", "vlm", "data", "dev"))
 
 setuptools.setup(
     name=cfg["lib_name"],
@@ -38,7 +38,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["proton", "proton.*"]),
     include_package_data=True,
     install_requires=reqs("requirements"),
-    extras_require={"plot": plot, "vlm": vlm, "dev": dev + plot, "all": plot + vlm},
+    extras_require={"plot": plot, "vlm": vlm, "data": data, "all": plot + vlm + data, "dev": dev + plot + vlm + data},
     entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
     zip_safe=False,
 )

@@ -5,7 +5,8 @@ __version__ = "0.1.0"
 
 # %% auto 0
 __all__ = ['BASE_SCORES', 'as_unit_rows', 'zero_shot_logits', 'get_base_score', 'PrototypeBank', 'proto_score', 'Welford',
-           'fusion_weight', 'fuse', 'Proton', 'ProtonConfig', 'ProtonParts', 'ood_metrics', 'SyntheticWorld', 'SHIFTS']
+           'fusion_weight', 'fuse', 'Proton', 'ProtonConfig', 'ProtonParts', 'running_variance', 'scan_chunk',
+           'ood_metrics', 'SyntheticWorld', 'SHIFTS']
 
 # %% ../nbs/index.ipynb
 from .scores import BASE_SCORES, as_unit_rows, zero_shot_logits, get_base_score
@@ -13,7 +14,8 @@ from .bank import PrototypeBank
 from .proto import proto_score
 from .fusion import Welford, fusion_weight, fuse
 from .detector import Proton, ProtonConfig, ProtonParts
+from .engine import running_variance, scan_chunk  # from here on, Proton.score runs the vectorised engine
 from .metrics import ood_metrics
 from .synth import SyntheticWorld, SHIFTS
 _all_ = ["BASE_SCORES", "as_unit_rows", "zero_shot_logits", "get_base_score", "PrototypeBank", "proto_score", "Welford",
-         "fusion_weight", "fuse", "Proton", "ProtonConfig", "ProtonParts", "ood_metrics", "SyntheticWorld", "SHIFTS"]
+         "fusion_weight", "fuse", "Proton", "ProtonConfig", "ProtonParts", "running_variance", "scan_chunk", "ood_metrics", "SyntheticWorld", "SHIFTS"]

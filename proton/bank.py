@@ -36,8 +36,15 @@ def _add(self:PrototypeBank,
         n -= 1
     self.entries[c, n] = e
     self.counts[c] = n + 1
-    self.prototypes[c] = torch.nn.functional.normalize(self.entries[c, :n + 1].sum(0), dim=0)
-PrototypeBank.add = _add
+    self.refresh(c)
+
+def _refresh(self:PrototypeBank,
+             c:int): # class whose prototype to recompute
+    "Recompute prototype `c` as the normalised sum of its queue (zero while the queue is empty)."
+    n = int(self.counts[c])
+    self.prototypes[c] = torch.nn.functional.normalize(self.entries[c, :n].sum(0), dim=0) if n else 0
+
+PrototypeBank.add, PrototypeBank.refresh = _add, _refresh
 
 # %% ../nbs/11_bank.ipynb
 def _gate(self:PrototypeBank,

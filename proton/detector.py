@@ -84,26 +84,25 @@ class Proton:
         return f"Proton(C={self.n_classes}, d={self.dim}, {self.dtype}, seen={self.welford.n}, bank={self.bank.counts.tolist()})"
 
 # %% ../nbs/14_detector.ipynb
-def _prepare(self:Proton, image_embeddings):
-    "Validated unit embeddings and their stateless quantities: (E, base, confidence, predicted)."
-    E = image_embeddings
-    if isinstance(E, (list, tuple)) and len(E) == 0: E = torch.zeros(0, self.dim)
-    E = as_unit_rows(E, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
+def _classify(self:Proton,
+              E:Tensor): # (N, d) L2-normalised image embeddings
+    "The stateless quantities of each image: (base, confidence, predicted), the base score checked."
     logits = zero_shot_logits(E, self.text, self.config.temperature)
     base = self.base_fn(logits)
     if not isinstance(base, Tensor) or base.shape != (len(E),):
         raise ValueError(f"base score must return a tensor of shape ({len(E)},), got {getattr(base, 'shape', type(base))}")
     if not torch.isfinite(base).all(): raise ValueError("base score returned NaN or Inf")
     confidence, predicted = logits.softmax(-1).max(-1)
-    return E, base.to(self.dtype), confidence, predicted
-Proton._prepare = _prepare
+    return base.to(self.dtype), confidence, predicted
+Proton._classify = _classify
 
 # %% ../nbs/14_detector.ipynb
-def _score(self:Proton,
-           image_embeddings, # (N, d) or (d,) image embeddings of the next stream images, in order
-           return_parts:bool=False): # return a `ProtonParts` instead of the scores alone
-    "Score the next images of the stream (higher = more OOD) and advance the detector's state."
-    E, base, confidence, predicted = self._prepare(image_embeddings)
+def _steps(self:Proton,
+           E:Tensor, # (N, d) L2-normalised image embeddings, in stream order
+           base:Tensor, # (N,) their base scores
+           confidence:Tensor, # (N,) their largest softmax probability
+           predicted:Tensor): # (N,) their zero-shot class
+    "Advance the stream one image at a time, in the order of Algorithm 1."
     c, n = self.config, len(E)
     score, alpha = base.clone(), torch.ones_like(base)
     proto = torch.full_like(base, math.nan)
@@ -117,8 +116,17 @@ def _score(self:Proton,
             alpha[t] = fusion_weight(var, c.alpha_min, c.alpha_max, c.var_ref, c.slope)
             score[t] = fuse(base[t], proto[t], alpha[t])
         if enqueued[t]: self.bank.add(int(predicted[t]), E[t])
-    return ProtonParts(score, base, proto, alpha, calibrated, enqueued, predicted) if return_parts else score
-Proton.score = _score
+    return ProtonParts(score, base, proto, alpha, calibrated, enqueued, predicted)
+
+def _score(self:Proton,
+           image_embeddings, # (N, d) or (d,) image embeddings of the next stream images, in order
+           return_parts:bool=False): # return a `ProtonParts` instead of the scores alone
+    "Score the next images of the stream (higher = more OOD) and advance the detector's state."
+    E = as_unit_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
+    parts = self._steps(E, *self._classify(E))
+    return parts if return_parts else parts.score
+
+Proton._steps, Proton.score = _steps, _score
 
 # %% ../nbs/14_detector.ipynb
 STATE_FORMAT = "proton-state-1"
@@ -167,9 +175,7 @@ def _load_state_dict(self:Proton,
     self._check_state(sd)
     self.bank.entries.copy_(torch.as_tensor(sd["bank"]))
     self.bank.counts.copy_(torch.as_tensor(sd["counts"]))
-    self.bank.prototypes.zero_()
-    for c in self.bank.counts.nonzero().flatten().tolist():
-        self.bank.prototypes[c] = torch.nn.functional.normalize(self.bank.entries[c, :int(self.bank.counts[c])].sum(0), dim=0)
+    for c in range(self.n_classes): self.bank.refresh(c)
     n, mean, m2 = torch.as_tensor(sd["welford"], dtype=torch.float64).tolist()
     self.welford = Welford(int(n), mean, m2)
     return self

@@ -1,0 +1,110 @@
+"""Property-based parity: the vectorised engine against the step-by-step path, over random streams and configurations."""
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import proton.engine as engine
+from proton import Proton, ProtonConfig
+from proton.scores import as_unit_rows
+from reference import clustered_stream
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def stepwise(det, X):
+    "The step-by-step path on raw embeddings, normalised exactly as `Proton.score` normalises them."
+    E = as_unit_rows(X, dtype=det.dtype)
+    return det._steps(E, *det._classify(E))
+
+
+def check_same(fast, slow, det_fast, det_slow, dtype):
+    assert torch.equal(fast.enqueued, slow.enqueued) and torch.equal(fast.calibrated, slow.calibrated)
+    assert torch.equal(fast.predicted, slow.predicted)
+    assert torch.equal(torch.isnan(fast.proto), torch.isnan(slow.proto))
+    for name in ("score", "base", "alpha", "proto"):
+        a, b = getattr(fast, name).double(), getattr(slow, name).double()
+        ok = ~torch.isnan(b)
+        assert (a[ok] - b[ok]).abs().max().item() <= TOL[dtype] if ok.any() else True, name
+    assert torch.equal(det_fast.bank.entries, det_slow.bank.entries)
+    assert torch.equal(det_fast.bank.counts, det_slow.bank.counts)
+    assert torch.equal(det_fast.bank.prototypes, det_slow.bank.prototypes)
+    wf, ws = det_fast.welford, det_slow.welford
+    tol = 1e-9 if dtype == torch.float64 else TOL[dtype]
+    assert wf.n == ws.n and abs(wf.mean - ws.mean) <= tol * max(1, abs(ws.mean)) and abs(wf.m2 - ws.m2) <= tol * max(1, ws.m2)
+
+
+def scan_in_chunks(det, X, chunk):
+    "The vectorised path on batches too small for `Proton.score` to choose it."
+    E = as_unit_rows(X, dtype=det.dtype)
+    parts = [det._scan(E[a:a + chunk], *det._classify(E[a:a + chunk])) for a in range(0, max(len(E), 1), chunk)]
+    return engine.ProtonParts(*(torch.cat(x) for x in zip(*parts)))
+
+
+streams = st.fixed_dictionaries(dict(
+    n_classes=st.integers(1, 6), dim=st.integers(2, 24), n=st.integers(0, 400), warmup=st.integers(0, 120),
+    seed=st.integers(0, 10_000), bank_size=st.integers(1, 12), k_min_frac=st.floats(0, 1),
+    gamma=st.floats(0.3, 1.0), temperature=st.sampled_from([0.05, 0.1, 0.2, 0.5, 1.0]),
+    base_score=st.sampled_from(["mcm", "max_logit", "energy", "entropy"]),
+    chunk=st.integers(1, 97), dtype=st.sampled_from([torch.float32, torch.float64])))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams)
+def test_vectorised_equals_stepwise(p):
+    T, E = clustered_stream(p["n_classes"], p["dim"], p["warmup"] + p["n"], seed=p["seed"])
+    k_min = 1 + int(p["k_min_frac"] * (p["bank_size"] - 1))
+    cfg = ProtonConfig(gamma=p["gamma"], bank_size=p["bank_size"], k_min=k_min, temperature=p["temperature"],
+                       base_score=p["base_score"])
+    T, E = torch.tensor(T, dtype=p["dtype"]), torch.tensor(E, dtype=p["dtype"])
+    slow, fast = Proton(T, cfg), Proton(T, cfg)
+    w = p["warmup"]
+    stepwise(slow, E[:w]); stepwise(fast, E[:w])  # a state to continue from, calibrated or not
+    want = stepwise(slow, E[w:])
+    old = engine.CHUNK_SIZE
+    try:
+        engine.CHUNK_SIZE = p["chunk"]
+        got = fast.score(E[w:], return_parts=True) if len(E) - w > engine.STEP_MAX else scan_in_chunks(fast, E[w:], p["chunk"])
+    finally:
+        engine.CHUNK_SIZE = old
+    check_same(got, want, fast, slow, p["dtype"])
+
+
+def test_a_class_that_never_passes_the_gate():
+    rng = np.random.default_rng(3)
+    T = as_unit_rows(rng.normal(size=(2, 16))).numpy()
+    E = T[rng.integers(0, 2, 500)] + 0.5 * rng.normal(size=(500, 16)) / 4
+    T = np.vstack([T, -T.sum(0)])  # a third class that every image points away from
+    cfg = ProtonConfig(bank_size=4, k_min=2, temperature=0.2)
+    slow, fast = Proton(T, cfg), Proton(T, cfg)
+    want, got = stepwise(slow, E), scan_in_chunks(fast, E, len(E))
+    assert not (want.predicted == 2).any() and want.enqueued.any() and not want.calibrated.any()
+    check_same(got, want, fast, slow, torch.float64)
+
+
+def test_calibration_inside_a_chunk_and_heavy_eviction():
+    T, E = clustered_stream(3, 16, 3000, seed=4)
+    cfg = ProtonConfig(bank_size=2, k_min=2, temperature=0.2)
+    slow, fast = Proton(T, cfg), Proton(T, cfg)
+    want, got = stepwise(slow, E), scan_in_chunks(fast, E, len(E))
+    first = int(want.calibrated.int().argmax())
+    assert 0 < first < 100 and want.enqueued.sum() > 50 * cfg.bank_size  # the queues wrap many times
+    check_same(got, want, fast, slow, torch.float64)
+
+
+def test_parity_check_can_fail():
+    "A deliberately wrong engine (window one entry too long) is caught by the same comparison."
+    T, E = clustered_stream(2, 16, 400, seed=5)
+    cfg = ProtonConfig(bank_size=3, k_min=1, temperature=0.2)
+    slow, fast = Proton(T, cfg), Proton(T, cfg)
+    want = stepwise(slow, E)
+    right = engine.window_sums
+    try:
+        engine.window_sums = lambda Z, starts, j, M: right(Z, starts, j, M + 1)
+        got = scan_in_chunks(fast, E, len(E))
+    finally:
+        engine.window_sums = right
+    try:
+        check_same(got, want, fast, slow, torch.float64)
+    except AssertionError:
+        return
+    raise AssertionError("the parity check did not notice a wrong window")

@@ -1,0 +1,56 @@
+"""Prepare all three benchmarks into <out>/ophthalmology, <out>/radiology and <out>/pathology.
+
+Downloads go to one --raw folder, so Imagenette is fetched once.  A benchmark that fails (for example
+radiology without Kaggle credentials) is reported and the others still run; the exit code is non-zero
+if any failed.
+
+Example:  python data_scripts/prepare_all.py --out data
+          python data_scripts/prepare_all.py --out data --dry-run
+          python data_scripts/prepare_all.py --out data --only ophthalmology pathology
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import ophthalmology
+import pathology
+import radiology
+from common import main
+
+BENCHMARKS = {m.BENCHMARK.name: m for m in (ophthalmology, radiology, pathology)}
+
+
+def cli(argv=None) -> int:
+    """Run each chosen benchmark's script with the shared options; return the worst exit code."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="parent folder; each benchmark goes to <out>/<name>")
+    p.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), default=list(BENCHMARKS), help="benchmarks to prepare")
+    p.add_argument("--raw", type=Path, help="folder for downloads (see the single scripts' --help)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed for draws the split files do not fix")
+    p.add_argument("--dry-run", action="store_true", help="list what would be fetched and written; no network")
+    p.add_argument("--manifest", type=Path, help="manifest of sources")
+    p.add_argument("--limit", type=int, help="at most this many images per draw (smoke test)")
+    p.add_argument("--local", action="append", default=[], metavar="SOURCE=PATH",
+                   help="use a local copy of a source; passed to the benchmarks that use that source")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    codes = {}
+    for name in args.only:
+        bench = BENCHMARKS[name].BENCHMARK
+        sub = ["--out", str(args.out / name), "--seed", str(args.seed)]
+        sub += ["--raw", str(args.raw)] if args.raw else []
+        sub += ["--manifest", str(args.manifest)] if args.manifest else []
+        sub += ["--limit", str(args.limit)] if args.limit else []
+        sub += ["--dry-run"] if args.dry_run else []
+        sub += ["--no-progress"] if args.no_progress else []
+        sub += [f"--local={item}" for item in args.local if item.partition("=")[0] in bench.keys()]
+        print(f"==> {name}", flush=True)
+        codes[name] = main(bench, sub, description=BENCHMARKS[name].__doc__)
+    failed = [n for n, c in codes.items() if c]
+    if failed:
+        print(f"not prepared: {', '.join(failed)} (see the messages above)", file=sys.stderr)
+    return max(codes.values(), default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

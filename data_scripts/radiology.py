@@ -1,0 +1,102 @@
+"""Prepare the radiology benchmark: normal vs pneumonia chest X-rays from the RSNA Pneumonia Detection Challenge.
+
+  id         RSNA 'Normal' 150 and 'Lung Opacity' (pneumonia) 150, DICOM converted to PNG
+  semantic   RSNA 'No Lung Opacity / Not Normal' 300: abnormal radiographs that are neither class,
+             from the same hospitals and scanners, so only the label shifts
+  covariate  chest CT slices of the same two classes (Kaggle 'COVID-19 & Normal & Pneumonia CT'),
+             150 normal and 150 pneumonia, as Ju et al. (2025) use CT for covariate shift
+  far        Imagenette validation images 300
+
+Both medical sources are on Kaggle and need a free account (RSNA also needs its competition rules
+accepted once); the script prints exactly what to do when they are missing.  DICOM decoding needs
+pydicom (`pip install pydicom`).
+
+Example:  python data_scripts/radiology.py --out data/radiology
+"""
+import csv
+import io
+import re
+import sys
+
+from common import Benchmark, Draw, LayoutError, View, imagenette_draw, imagenette_view, main, open_container, png_bytes
+
+RSNA_CLASSES = {"Normal": "normal", "Lung Opacity": "pneumonia",
+                "No Lung Opacity / Not Normal": "no_lung_opacity_not_normal"}
+
+
+def dicom_to_png(data: bytes) -> bytes:
+    """Decode a radiograph stored as DICOM and encode it as an 8-bit greyscale PNG (MONOCHROME1 is inverted)."""
+    try:
+        import pydicom
+    except ImportError as err:
+        raise ImportError("reading RSNA's DICOM files needs pydicom: pip install pydicom") from err
+    import numpy as np
+
+    ds = pydicom.dcmread(io.BytesIO(data))
+    stored = ds.pixel_array
+    pixels = stored * float(getattr(ds, "RescaleSlope", 1)) + float(getattr(ds, "RescaleIntercept", 0))
+    if ds.PhotometricInterpretation == "MONOCHROME1":  # high values are dark: flip within the image's own range
+        pixels = pixels.max() + pixels.min() - pixels
+    if stored.dtype != np.uint8 or pixels.min() < 0 or pixels.max() > 255:
+        low, high = pixels.min(), pixels.max()
+        pixels = (pixels - low) / max(high - low, 1e-12) * 255.0
+    return png_bytes(np.round(pixels).astype(np.uint8))
+
+
+def rsna_view(paths: dict) -> View:
+    """RSNA stage-2 training radiographs: ``stage_2_train_images/<patientId>.dcm``, written as ``<patientId>.png``."""
+    return View(open_container(paths["rsna"]), r"stage_2_train_images/[^/]+\.dcm",
+                rename=lambda key: key.rsplit("/", 1)[-1][:-4] + ".png", convert=dicom_to_png)
+
+
+def rsna_labels(view: View) -> dict[str, str]:
+    """``stage_2_detailed_class_info.csv`` as image key -> label folder (one class per patient; box rows repeat it)."""
+    labels = {}
+    for row in csv.DictReader(io.StringIO(view.find(r"stage_2_detailed_class_info\.csv").decode())):
+        label = RSNA_CLASSES.get(row["class"])
+        if label is None:
+            raise LayoutError(f"stage_2_detailed_class_info.csv: unknown class {row['class']!r}")
+        key = f"stage_2_train_images/{row['patientId']}.dcm"
+        if labels.setdefault(key, label) != label:
+            raise LayoutError(f"stage_2_detailed_class_info.csv gives {row['patientId']} two classes")
+    return labels
+
+
+def rsna_pick(label: str):
+    """Candidates of one RSNA class that have an image in the archive."""
+    def pick(view: View) -> dict[str, str]:
+        return {k: v for k, v in rsna_labels(view).items() if v == label and k in view.members}
+    return pick
+
+
+def ct_view(paths: dict) -> View:
+    """Chest CT slices under folders named ``normal_CT`` / ``pneumonia_CT`` (case ignored; COVID slices unused)."""
+    return View(open_container(paths["chest_ct"]), r"(?:normal|pneumonia)_ct/(?:.*/)?[^/]+\.(?:png|jpe?g)",
+                flags=re.IGNORECASE)
+
+
+def ct_pick(label: str):
+    """Candidates of one CT class folder (``normal_ct`` or ``pneumonia_ct``)."""
+    return lambda view: {k: label for k in view.keys if k.split("/")[0].lower() == label}
+
+
+BENCHMARK = Benchmark(
+    name="radiology",
+    classes=("normal", "pneumonia"),
+    class_names=("normal", "pneumonia"),
+    prompt_template="A chest X-ray showing {}.",
+    views={"rsna": (("rsna",), rsna_view), "chest_ct": (("chest_ct",), ct_view),
+           "imagenette": (("imagenette",), imagenette_view)},
+    draws=(
+        Draw("rsna", "id", ("normal",), 150, rsna_pick("normal")),
+        Draw("rsna", "id", ("pneumonia",), 150, rsna_pick("pneumonia")),
+        Draw("rsna", "semantic", ("no_lung_opacity_not_normal",), 300, rsna_pick("no_lung_opacity_not_normal")),
+        Draw("chest_ct", "covariate", ("normal_ct",), 150, ct_pick("normal_ct")),
+        Draw("chest_ct", "covariate", ("pneumonia_ct",), 150, ct_pick("pneumonia_ct")),
+        imagenette_draw(300),
+    ),
+    ood_to_id={"normal_ct": "normal", "pneumonia_ct": "pneumonia"},
+)
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARK, description=__doc__))

@@ -1,0 +1,647 @@
+"""The data scripts, offline: each source's real layout as tiny generated files, downloads from a real HTTP server on 127.0.0.1."""
+import csv
+import functools
+import gzip
+import hashlib
+import http.server
+import io
+import json
+import shutil
+import socket
+import sys
+import tarfile
+import threading
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+DATA_SCRIPTS = Path(__file__).parents[1] / "data_scripts"
+sys.path.insert(0, str(DATA_SCRIPTS))
+import common  # noqa: E402
+import ophthalmology  # noqa: E402
+import pathology  # noqa: E402
+import prepare_all  # noqa: E402
+import radiology  # noqa: E402
+
+BENCHMARKS = (ophthalmology.BENCHMARK, radiology.BENCHMARK, pathology.BENCHMARK)
+LISTINGS = DATA_SCRIPTS / "splits" / "listings"
+FIVES_WRAPPER = "FIVES A Fundus Image Dataset for AI-based Vessel Segmentation"
+
+
+# ------------------------------------------------------------------------------------------ guards and fixtures
+
+@pytest.fixture(autouse=True)
+def only_localhost(monkeypatch):
+    """Every socket may connect to 127.0.0.1 only, and no proxy is used for it."""
+    real_connect = socket.socket.connect
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] != "127.0.0.1":
+            raise AssertionError(f"a test tried to reach {address}")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+
+
+@functools.lru_cache(maxsize=None)
+def _encoded(fmt, shade):
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (shade, 7, 9)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def image_bytes(fmt, value=0):
+    """A tiny image file; a few distinct shades are enough, and encoding each once keeps the tests fast."""
+    return _encoded(fmt, value % 8 * 32)
+
+
+def make_zip(path, files):
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+def make_tgz(path, files):
+    with tarfile.open(path, "w:gz") as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return path
+
+
+def make_dir(root, files):
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def md5(data):
+    return hashlib.md5(data).hexdigest()
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def shipped(name):
+    return common.read_split(common.SPLITS / f"{name}.csv")
+
+
+class FileServer:
+    """A real HTTP server on 127.0.0.1 serving bytes by path, with Range support; it can cut one response short."""
+
+    def __init__(self, files, cut_after=None, ranges=True):
+        self.files, self.cut_after, self.ranges, self.requests = files, dict(cut_after or {}), ranges, []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                owner.requests.append((self.path, self.headers.get("Range")))
+                data = owner.files.get(self.path)
+                if data is None:
+                    self.send_error(404)
+                    return
+                start = 0
+                asked = self.headers.get("Range")
+                if owner.ranges and asked:
+                    start = int(asked.split("=")[1].split("-")[0])
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                body = data[start:]
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                cut = owner.cut_after.pop(self.path, None)
+                self.wfile.write(body if cut is None else body[:cut])
+                self.wfile.flush()
+                if cut is not None:
+                    self.close_connection = True
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        self.watchdog = threading.Timer(60, self.server.shutdown)  # a hung test cannot keep the server alive
+        self.watchdog.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.watchdog.cancel()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def http_entry(url, data, **changes):
+    entry = {"title": "fixture", "page": url, "download": "http", "url": url, "filename": "fixture.zip",
+             "size_bytes": len(data), "approx_size": "1 KB", "sha256": None, "md5": md5(data), "licence": "test",
+             "login": None, "used_for": {}, "why": "test"}
+    entry.update(changes)
+    return entry
+
+
+# ------------------------------------------------------------------------------------------ manifest and splits
+
+def test_manifest_is_complete_and_matches_the_scripts():
+    manifest = common.load_manifest()
+    used = set()
+    for bench in BENCHMARKS:
+        bench.check()
+        used |= set(bench.keys())
+        described = manifest["benchmarks"][bench.name]
+        assert set(described["sources"]) == set(bench.keys())
+        assert described["classes"] == list(bench.classes)
+        counts = {}
+        for d in bench.draws:
+            counts[d.shift] = counts.get(d.shift, 0) + d.n
+        assert counts == described["counts"]
+        for key in bench.keys():
+            assert bench.name in manifest["sources"][key]["used_for"]
+    assert used == set(manifest["sources"])
+    for key, entry in manifest["sources"].items():
+        assert (entry["login"] is None) == (entry["download"] == "http"), key
+
+
+def test_manifest_rejects_a_malformed_checksum(tmp_path):
+    manifest = json.loads(common.MANIFEST.read_text())
+    manifest["sources"]["fives"]["md5"] = "not-a-checksum"
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="malformed md5"):
+        common.load_manifest(tmp_path / "m.json")
+
+
+def test_the_paper_counts():
+    n = {b.name: {(d.shift, d.labels): d.n for d in b.draws} for b in BENCHMARKS}
+    assert n["ophthalmology"][("id", ("normal",))] == n["ophthalmology"][("id", ("diabetic_retinopathy",))] == 150
+    assert n["ophthalmology"][("covariate", ("uwf",))] == 150
+    for name in ("radiology", "pathology"):
+        per_shift = {}
+        for (shift, _), k in n[name].items():
+            per_shift[shift] = per_shift.get(shift, 0) + k
+        assert per_shift == {"id": 300, "semantic": 300, "covariate": 300, "far": 300}
+
+
+def test_shipped_splits_are_drawn_from_the_offline_listings():
+    listings = {"deepdrid_uwf": (LISTINGS / "deepdrid_uwf.txt").read_text().split(),
+                "imagenette": (LISTINGS / "imagenette_val.txt").read_text().split()}
+    assert len(listings["deepdrid_uwf"]) == 256 and len(listings["imagenette"]) == 3925
+    for bench in BENCHMARKS:
+        rows = shipped(bench.name)
+        assert rows, bench.name
+        assert {r.source for r in rows} <= set(listings), "only sources whose file list is known offline ship"
+        for draw in bench.draws:
+            if draw.view in listings:
+                expected, _ = common.select(draw, SimpleNamespace(keys=listings[draw.view]), [], seed=0)
+                assert sorted(common.fixed_rows(draw, rows), key=str) == sorted(expected, key=str)
+    far = {b.name: {r.original for r in shipped(b.name) if r.shift == "far"} for b in BENCHMARKS}
+    assert far["ophthalmology"] < far["radiology"] == far["pathology"]
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def test_rank_is_deterministic_seeded_and_prefix_consistent():
+    keys = [f"k{i}" for i in range(200)]
+    assert common.rank(keys, 0, "s") == common.rank(list(reversed(keys)), 0, "s")
+    assert common.rank(keys, 0, "s") != common.rank(keys, 1, "s")
+    assert common.rank(keys, 0, "s") != common.rank(keys, 0, "t")
+    subset = keys[::3]
+    assert common.rank(subset, 0, "s") == [k for k in common.rank(keys, 0, "s") if k in set(subset)]
+    assert set(common.choose(dict.fromkeys(keys, "x"), 5, 0, "s")) <= set(common.choose(dict.fromkeys(keys, "x"), 50, 0, "s"))
+
+
+def test_choose_refuses_too_few_candidates():
+    with pytest.raises(common.LayoutError, match="need 3 images but the source has only 2"):
+        common.choose({"a": "x", "b": "x"}, 3, 0, "scope")
+
+
+# ------------------------------------------------------------------------------------------ downloads
+
+def test_download_verifies_the_checksum(tmp_path):
+    data = bytes(range(256)) * 40
+    with FileServer({"/a.zip": data}) as server:
+        path = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+        assert path.read_bytes() == data
+        assert path == tmp_path / "fixture.zip"
+        again = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+    assert again == path and len(server.requests) == 1, "a verified file is not downloaded twice"
+
+
+def test_a_corrupted_download_is_rejected_and_deleted(tmp_path):
+    data = bytes(range(256)) * 40
+    corrupted = data[:100] + b"X" + data[101:]
+    with FileServer({"/a.zip": corrupted}) as server:
+        with pytest.raises(common.ChecksumError, match=r"failed its checksum and was deleted.*MD5"):
+            common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+    assert not (tmp_path / "fixture.zip").exists() and not (tmp_path / "fixture.zip.part").exists()
+
+
+def test_a_download_of_the_wrong_size_is_rejected_without_a_checksum(tmp_path):
+    data = b"x" * 1000
+    with FileServer({"/a.zip": data}) as server:
+        with pytest.raises(common.ChecksumError, match="1000 bytes, the manifest says 999"):
+            common.download(http_entry(server.url + "/a.zip", data, md5=None, size_bytes=999), tmp_path, progressbar=False)
+    assert not (tmp_path / "fixture.zip").exists()
+
+
+def test_a_partial_download_is_resumed_with_a_range_request(tmp_path):
+    data = bytes(np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8))
+    entry = http_entry(None, data)
+    with FileServer({"/a.zip": data}, cut_after={"/a.zip": 200_000}) as server:
+        entry["url"] = server.url + "/a.zip"
+        with pytest.raises(common.DownloadError, match="run the same command again to resume"):
+            common.download(entry, tmp_path, progressbar=False, chunk_size=16_384)
+        kept = (tmp_path / "fixture.zip.part").stat().st_size
+        assert 0 < kept <= 200_000
+        path = common.download(entry, tmp_path, progressbar=False, chunk_size=16_384)
+    assert path.read_bytes() == data
+    assert server.requests == [("/a.zip", None), ("/a.zip", f"bytes={kept}-")]
+    assert not (tmp_path / "fixture.zip.part").exists()
+
+
+def test_a_server_that_ignores_ranges_makes_the_download_start_over(tmp_path):
+    data = b"abcdefgh" * 1000
+    (tmp_path / "fixture.zip.part").write_bytes(b"garbage")
+    with FileServer({"/a.zip": data}, ranges=False) as server:
+        path = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+    assert path.read_bytes() == data
+
+
+def test_a_complete_part_file_is_finished_without_downloading_again(tmp_path):
+    data = b"abcdefgh" * 1000
+    (tmp_path / "fixture.zip.part").write_bytes(data)
+    with FileServer({"/a.zip": data}) as server:
+        path = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+    assert path.read_bytes() == data and server.requests == [("/a.zip", f"bytes={len(data)}-")]
+
+
+def test_a_local_copy_is_checked_against_the_manifest(tmp_path):
+    entry = http_entry("http://127.0.0.1:9/never", b"right")
+    (tmp_path / "fixture.zip").write_bytes(b"wrong")
+    with pytest.raises(common.ChecksumError, match="5 bytes|md5 is"):
+        common.fetch("fixture", dict(entry, size_bytes=None), tmp_path / "raw", local=tmp_path / "fixture.zip")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        common.fetch("fixture", entry, tmp_path, local=tmp_path / "missing.zip")
+
+
+# ------------------------------------------------------------------------------------------ dry run
+
+@pytest.mark.parametrize("script", ["ophthalmology", "radiology", "pathology", "prepare_all"])
+def test_dry_run_touches_no_network_and_writes_nothing(script, tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("--dry-run used the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    argv = ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run"]
+    if script == "prepare_all":
+        assert prepare_all.cli(argv) == 0
+    else:
+        module = {"ophthalmology": ophthalmology, "radiology": radiology, "pathology": pathology}[script]
+        assert common.main(module.BENCHMARK, argv) == 0
+    printed = capsys.readouterr().out
+    assert not (tmp_path / "out").exists() and not (tmp_path / "raw").exists()
+    manifest = common.load_manifest()
+    names = [b.name for b in BENCHMARKS] if script == "prepare_all" else [script]
+    for bench in (b for b in BENCHMARKS if b.name in names):
+        for key in bench.keys():
+            entry = manifest["sources"][key]
+            assert (entry["url"] or entry["page"]) in printed
+            assert str(tmp_path / "raw" / entry["filename"]) in printed
+            assert entry["approx_size"] in printed
+    if "radiology" in names:
+        assert "kaggle competitions download -c rsna-pneumonia-detection-challenge" in printed
+
+
+def test_dry_run_reports_a_partial_download(tmp_path, capsys):
+    (tmp_path / "FIVES.rar.part").write_bytes(b"x" * 123)
+    common.main(ophthalmology.BENCHMARK, ["--out", str(tmp_path / "o"), "--raw", str(tmp_path), "--dry-run"])
+    assert "partial, 123 bytes, will resume" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ ophthalmology
+
+def fives_files():
+    """FIVES' real layout: 600 train + 200 test, 200 per disease code, vessel masks beside, xlsx and a Thumbs.db."""
+    files, n = {}, 0
+    for split, per_code in (("train", 150), ("test", 50)):
+        for code in "ADGN":
+            for _ in range(per_code):
+                n += 1
+                files[f"{FIVES_WRAPPER}/{split}/Original/{n}_{code}.png"] = image_bytes("PNG", n)
+        files[f"{FIVES_WRAPPER}/{split}/Ground truth/1_A.png"] = image_bytes("PNG")
+        files[f"{FIVES_WRAPPER}/{split}/Original/Thumbs.db"] = b"\0junk"
+    files[f"{FIVES_WRAPPER}/Quality Assessment.xlsx"] = b"PK\3\4 not really"
+    return files
+
+
+def deepdrid_zip(path):
+    """DeepDRiD v1.1's layout: a wrapper folder, the 256 UWF images (real paths) and some regular fundus images."""
+    files = {f"deepdrdoc-DeepDRiD-0657068/{p}": image_bytes("JPEG", i)
+             for i, p in enumerate((LISTINGS / "deepdrid_uwf.txt").read_text().split())}
+    files["deepdrdoc-DeepDRiD-0657068/regular_fundus_images/regular-fundus-training/Images/1/1_l1.jpg"] = image_bytes("JPEG")
+    files["deepdrdoc-DeepDRiD-0657068/ultra-widefield_images/ultra-widefield-training/ultra-widefield-training.csv"] = b"patient_id\n"
+    return make_zip(path, files)
+
+
+def imagenette_tgz(path, names):
+    """Imagenette's layout: imagenette2-320/{train,val}/<wnid>/<name>.JPEG and the noisy-label table."""
+    files = {f"imagenette2-320/{n}": image_bytes("JPEG", i) for i, n in enumerate(names)}
+    files["imagenette2-320/train/n01440764/n01440764_1.JPEG"] = image_bytes("JPEG")
+    files["imagenette2-320/noisy_imagenette.csv"] = b"path,is_valid\n"
+    return make_tgz(path, files)
+
+
+@pytest.fixture(scope="module")
+def ophthalmology_sources(tmp_path_factory):
+    """FIVES as a local folder; DeepDRiD and Imagenette served over HTTP by one server for the module."""
+    tmp = tmp_path_factory.mktemp("ophthalmology_sources")
+    far = sorted({r.original for r in shipped("ophthalmology") if r.shift == "far"})
+    extra = ["val/n03888257/n03888257_999999.JPEG", "val/n01440764/ILSVRC2012_val_0.JPEG"]
+    blobs = {"/deepdrid.zip": deepdrid_zip(tmp / "d.zip").read_bytes(),
+             "/imagenette.tgz": imagenette_tgz(tmp / "i.tgz", far + extra).read_bytes()}
+    fives = make_dir(tmp / "fives", fives_files())
+    with FileServer(blobs) as server:
+        manifest = json.loads(common.MANIFEST.read_text())
+        for key, path in (("deepdrid", "/deepdrid.zip"), ("imagenette", "/imagenette.tgz")):
+            manifest["sources"][key].update(url=server.url + path, md5=md5(blobs[path]), size_bytes=len(blobs[path]))
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        yield SimpleNamespace(server=server, manifest=tmp / "manifest.json", fives=fives)
+
+
+@pytest.fixture
+def served_ophthalmology(ophthalmology_sources, tmp_path):
+    """Per test: an empty download folder and a copy of the shipped split file."""
+    src = ophthalmology_sources
+    src.server.requests.clear()
+    split = tmp_path / "ophthalmology.csv"
+    shutil.copy(common.SPLITS / "ophthalmology.csv", split)
+    base = ["--raw", str(tmp_path / "raw"), "--manifest", str(src.manifest),
+            "--local", f"fives={src.fives}", "--split", str(split), "--no-progress"]
+    return SimpleNamespace(server=src.server, base=base, split=split, tmp=tmp_path)
+
+
+def test_ophthalmology_end_to_end(served_ophthalmology):
+    s = served_ophthalmology
+    out = s.tmp / "out"
+    table = common.run(ophthalmology.BENCHMARK, ["--out", str(out)] + s.base)
+    rows = read_csv(out / "split.csv")
+    assert rows == [{k: str(v) for k, v in r.items()} for r in table]
+    assert list(rows[0]) == ["file", "shift", "label", "source"]
+    counts = {}
+    for r in rows:
+        counts[(r["shift"], r["label"])] = counts.get((r["shift"], r["label"]), 0) + 1
+        assert (out / r["file"]).is_file() and r["file"].startswith(f"{r['shift']}/{r['label']}/")
+    assert {k: v for k, v in counts.items() if k[0] != "far"} == {
+        ("id", "normal"): 150, ("id", "diabetic_retinopathy"): 150, ("semantic", "glaucoma"): 150,
+        ("semantic", "amd"): 150, ("covariate", "uwf"): 150}
+    assert sum(v for k, v in counts.items() if k[0] == "far") == 150
+    assert all(f.name.endswith("_N.png") for f in (out / "id" / "normal").iterdir())
+    assert all(f.name.startswith(("train_", "test_")) for f in (out / "semantic" / "amd").iterdir())
+    assert {r["file"].rsplit("/", 1)[1] for r in rows if r["shift"] == "covariate"} == {
+        ophthalmology.uwf_name(r.original) for r in shipped("ophthalmology") if r.shift == "covariate"}
+    classes = json.loads((out / "classes.json").read_text())
+    assert classes["classes"] == ["normal", "diabetic_retinopathy"]
+    assert classes["prompts"] == {"normal": ["normal"], "diabetic_retinopathy": ["diabetic retinopathy"]}
+    assert classes["counts"]["id"] == {"normal": 150, "diabetic_retinopathy": 150}
+    # the FIVES draws were sampled now and added to the split file; the shipped rows are untouched
+    split = common.read_split(s.split)
+    assert set(shipped("ophthalmology")) < set(split) and len(split) == 900
+    # a second run reuses the split file, so it writes exactly the same files
+    common.run(ophthalmology.BENCHMARK, ["--out", str(out)] + s.base)
+    assert read_csv(out / "split.csv") == rows and common.read_split(s.split) == split
+    # and the downloads were fetched once, with their checksums verified
+    assert sorted(p for p, _ in s.server.requests) == ["/deepdrid.zip", "/imagenette.tgz"]
+
+
+def test_limit_takes_a_subset_of_the_full_draw_and_leaves_the_split_alone(served_ophthalmology):
+    s = served_ophthalmology
+    before = s.split.read_text()
+    small = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "small"), "--limit", "3"] + s.base)
+    larger = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "larger"), "--limit", "7"] + s.base)
+    assert len(small) == 6 * 3 and len(larger) == 6 * 7 and s.split.read_text() == before
+    assert {r["file"] for r in small} < {r["file"] for r in larger}
+    shipped_uwf = {ophthalmology.uwf_name(r.original) for r in shipped("ophthalmology") if r.shift == "covariate"}
+    assert {r["file"].rsplit("/", 1)[1] for r in larger if r["shift"] == "covariate"} < shipped_uwf
+    other = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "other"), "--limit", "7"] + s.base
+                       + ["--seed", "1", "--split", str(s.tmp / "none.csv")])  # the last --split wins
+    fives = lambda rows: {r["file"] for r in rows if r["source"] == "fives"}  # noqa: E731
+    assert fives(other) != fives(larger), "the seed decides the draws the split file does not fix"
+
+
+def test_a_split_naming_a_missing_image_is_refused(served_ophthalmology):
+    s = served_ophthalmology
+    with open(s.split, "a") as f:
+        f.write("fives,id,normal,train/Original/9999_N.png\n")
+    with pytest.raises(common.LayoutError, match="9999_N.png.*different version"):
+        common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out")] + s.base)
+    assert not (s.tmp / "out").exists(), "nothing is written when the selection fails"
+
+
+def test_fives_without_a_rar_tool_says_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / "FIVES.rar").write_bytes(b"Rar!\x1a\x07\x01\x00")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(common.LayoutError, match="apt-get install -y libarchive-tools"):
+        common.open_container(tmp_path / "FIVES.rar")
+
+
+# ------------------------------------------------------------------------------------------ radiology
+
+def dicom_bytes(pixels, photometric="MONOCHROME2"):
+    pydicom = pytest.importorskip("pydicom")
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = SecondaryCaptureImageStorage, generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset(None, {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    ds.Modality, ds.SamplesPerPixel, ds.PhotometricInterpretation = "CR", 1, photometric
+    ds.Rows, ds.Columns = pixels.shape
+    bits = pixels.dtype.itemsize * 8
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = bits, bits, bits - 1, 0
+    ds.PixelData = pixels.tobytes()
+    buffer = io.BytesIO()
+    pydicom.dcmwrite(buffer, ds, enforce_file_format=True)
+    return buffer.getvalue()
+
+
+def rsna_zip(path):
+    """RSNA's layout: DICOMs under stage_2_train_images, class table with a repeated patient (two boxes), labels, test images."""
+    rng = np.random.default_rng(1)
+    classes = ["Normal"] * 4 + ["Lung Opacity"] * 4 + ["No Lung Opacity / Not Normal"] * 4
+    ids = [f"{i:04d}abcd-{i}" for i in range(len(classes))]
+    table = "patientId,class\n" + "".join(f"{p},{c}\n" for p, c in zip(ids, classes)) + f"{ids[5]},Lung Opacity\n"
+    files = {"stage_2_detailed_class_info.csv": table.encode(), "stage_2_train_labels.csv": b"patientId,x,y,width,height,Target\n",
+             "stage_2_test_images/ffff.dcm": dicom_bytes(np.zeros((8, 8), np.uint8)),
+             "GCP Credits Request Link - RSNA.txt": b"..."}
+    pixels = {}
+    for p in ids:
+        pixels[p] = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+        files[f"stage_2_train_images/{p}.dcm"] = dicom_bytes(pixels[p])
+    return make_zip(path, files), pixels
+
+
+def ct_zip(path):
+    """The CT dataset's layout: one folder per class, COVID unused, mixed case and extensions."""
+    files = {f"COVID2_CT/{i}.png": image_bytes("PNG", i) for i in range(3)}
+    files.update({f"Normal_CT/{i} (1).jpg": image_bytes("JPEG", i) for i in range(3)})
+    files.update({f"pneumonia_CT/pneumonia_CT/{i}.png": image_bytes("PNG", i) for i in range(3)})
+    return make_zip(path, files)
+
+
+def test_radiology_end_to_end(tmp_path):
+    pytest.importorskip("pydicom")
+    rsna, pixels = rsna_zip(tmp_path / "rsna-pneumonia-detection-challenge.zip")
+    far = sorted({r.original for r in shipped("radiology") if r.shift == "far"})
+    argv = ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--limit", "2", "--no-progress",
+            "--local", f"rsna={rsna}", "--local", f"chest_ct={ct_zip(tmp_path / 'ct.zip')}",
+            "--local", f"imagenette={imagenette_tgz(tmp_path / 'i.tgz', far)}", "--split", str(tmp_path / "s.csv")]
+    rows = common.run(radiology.BENCHMARK, argv)
+    got = {(r["shift"], r["label"]) for r in rows}
+    assert got >= {("id", "normal"), ("id", "pneumonia"), ("semantic", "no_lung_opacity_not_normal"),
+                   ("covariate", "normal_ct"), ("covariate", "pneumonia_ct")}
+    out = tmp_path / "out"
+    for r in rows:
+        if r["source"] == "rsna":
+            patient = Path(r["file"]).stem
+            assert r["file"].endswith(".png")
+            assert np.array_equal(np.asarray(Image.open(out / r["file"])), pixels[patient]), "DICOM pixels survive"
+    assert not (tmp_path / "s.csv").exists(), "--limit never writes the split file"
+    assert json.loads((out / "classes.json").read_text())["ood_to_id"] == {"normal_ct": "normal", "pneumonia_ct": "pneumonia"}
+
+
+def test_dicom_conversion_inverts_monochrome1_and_scales_16_bit():
+    pytest.importorskip("pydicom")
+    ramp = np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000
+    png = np.asarray(Image.open(io.BytesIO(radiology.dicom_to_png(dicom_bytes(ramp, "MONOCHROME1")))))
+    assert png.dtype == np.uint8 and png[0, 0] == 255 and png[-1, -1] == 0
+    assert np.all(np.diff(png.reshape(-1).astype(int)) <= 0)
+
+
+def test_radiology_without_kaggle_prints_exactly_what_to_do(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    code = common.main(radiology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw")])
+    message = capsys.readouterr().err
+    assert code == 2
+    for needed in ("Create New Token", "~/.kaggle/kaggle.json", "chmod 600", "pip install kaggle",
+                   "https://www.kaggle.com/competitions/rsna-pneumonia-detection-challenge/rules",
+                   f"kaggle competitions download -c rsna-pneumonia-detection-challenge -p {tmp_path / 'raw'}",
+                   f"kaggle datasets download -d anaselmasry/covid19normalpneumonia-ct-images -p {tmp_path / 'raw'}"):
+        assert needed in message
+    assert not (tmp_path / "out").exists() and not (tmp_path / "raw" / "imagenette2-320.tgz").exists()
+
+
+def test_kaggle_dataset_instructions_need_no_rules():
+    entry = common.load_manifest()["sources"]["chest_ct"]
+    text = common.kaggle_instructions("chest_ct", entry, Path("/raw"))
+    assert "kaggle datasets download -d anaselmasry/covid19normalpneumonia-ct-images -p /raw" in text
+    assert "rules" not in text
+
+
+# ------------------------------------------------------------------------------------------ pathology
+
+def pcam_files(tmp_path, n=24):
+    """PCam's format: gzipped HDF5, x (N, 96, 96, 3) uint8 and y (N, 1, 1, 1)."""
+    h5py = pytest.importorskip("h5py")
+    x = np.random.default_rng(2).integers(0, 256, (n, 96, 96, 3), dtype=np.uint8)
+    y = (np.arange(n) % 3 == 0).astype(np.uint8).reshape(n, 1, 1, 1)
+    paths = []
+    for name, key, value in (("x", "x", x), ("y", "y", y)):
+        plain = tmp_path / f"pcam_{name}.h5"  # not the manifest's file name, which would be checked against its md5
+        with h5py.File(plain, "w") as f:
+            f.create_dataset(key, data=value)
+        with open(plain, "rb") as src, gzip.open(f"{plain}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        plain.unlink()
+        paths.append(Path(f"{plain}.gz"))
+    return paths, x, y.reshape(-1)
+
+
+def crc_zip(path):
+    """CRC-VAL-HE-7K's layout: CRC-VAL-HE-7K/<CLASS>/<CLASS>-<id>.tif, nine classes."""
+    files = {f"CRC-VAL-HE-7K/{c}/{c}-TCGA-{i:04d}.tif": image_bytes("TIFF", i)
+             for c in ("ADI", "BACK", "DEB", "LYM", "MUC", "MUS", "NORM", "STR", "TUM") for i in range(3)}
+    files["__MACOSX/CRC-VAL-HE-7K/NORM/._NORM-TCGA-0000.tif"] = b"resource fork"
+    return make_zip(path, files)
+
+
+def test_pathology_end_to_end(tmp_path):
+    (x_path, y_path), x, y = pcam_files(tmp_path)
+    far = sorted({r.original for r in shipped("pathology") if r.shift == "far"})
+    argv = ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--limit", "2", "--no-progress",
+            "--local", f"pcam_test_x={x_path}", "--local", f"pcam_test_y={y_path}",
+            "--local", f"crc_val={crc_zip(tmp_path / 'crc.zip')}",
+            "--local", f"imagenette={imagenette_tgz(tmp_path / 'i.tgz', far)}", "--split", str(tmp_path / "s.csv")]
+    rows = common.run(pathology.BENCHMARK, argv)
+    labels = {}
+    for r in rows:
+        labels.setdefault(r["shift"], set()).add(r["label"])
+    assert labels["id"] == {"benign", "malignant"} and labels["covariate"] == {"norm", "tum"}
+    assert labels["semantic"] == {"adi", "deb", "muc", "mus", "str"}
+    out = tmp_path / "out"
+    for r in rows:
+        if r["source"] == "pcam":
+            index = int(Path(r["file"]).stem.rsplit("_", 1)[1])
+            assert np.array_equal(np.asarray(Image.open(out / r["file"])), x[index])
+            assert r["label"] == ("malignant" if y[index] else "benign")
+    assert (tmp_path / "pcam_x.h5").exists(), "PCam is decompressed once, beside the download"
+
+
+# ------------------------------------------------------------------------------------------ views and folders
+
+def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):
+    root = make_dir(tmp_path / "d", {"a/train/Original/1_N.png": b"1", "a/train/Original/Thumbs.db": b"",
+                                     "__MACOSX/a/train/Original/2_N.png": b"", "a/train/Original/._3_N.png": b""})
+    assert ophthalmology.fives_view({"fives": root}).keys == ["train/Original/1_N.png"]
+    make_dir(root, {"copy/train/Original/1_N.png": b"1"})
+    with pytest.raises(common.LayoutError, match="two files have the key 'train/Original/1_N.png'"):
+        ophthalmology.fives_view({"fives": root})
+
+
+def test_a_corrupt_image_in_a_source_is_named(tmp_path):
+    view = common.View(common.open_container(make_dir(tmp_path / "d", {"x/1.png": b"version https://git-lfs"})), r"x/[^/]+\.png")
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (common.Draw("v", "id", ("a",), 1, lambda v: {k: "a" for k in v.keys}),))
+    with pytest.raises(common.LayoutError, match="v:x/1.png is not a readable image.*git-lfs"):
+        common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+
+
+def test_a_foreign_output_folder_is_not_touched(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "thesis.tex").write_text("precious")
+    with pytest.raises(ValueError, match="not empty and was not made by these scripts"):
+        common._claim(tmp_path / "out")
+    assert (tmp_path / "out" / "thesis.tex").read_text() == "precious"
+
+
+def test_unknown_local_source_is_refused():
+    with pytest.raises(ValueError, match="unknown source 'fivez'"):
+        common.parse_local(["fivez=/x"], ophthalmology.BENCHMARK.keys())

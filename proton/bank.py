@@ -42,7 +42,8 @@ def _refresh(self:PrototypeBank,
              c:int): # class whose prototype to recompute
     "Recompute prototype `c` as the normalised sum of its queue (zero while the queue is empty)."
     n = int(self.counts[c])
-    self.prototypes[c] = torch.nn.functional.normalize(self.entries[c, :n].sum(0), dim=0) if n else 0
+    total = self.entries[c, :n].sum(0)
+    self.prototypes[c] = total / torch.linalg.vector_norm(total).clamp_min(1e-12) if n else 0
 
 PrototypeBank.add, PrototypeBank.refresh = _add, _refresh
 

@@ -103,20 +103,22 @@ def _steps(self:Proton,
            confidence:Tensor, # (N,) their largest softmax probability
            predicted:Tensor): # (N,) their zero-shot class
     "Advance the stream one image at a time, in the order of Algorithm 1."
-    c, n = self.config, len(E)
-    score, alpha = base.clone(), torch.ones_like(base)
-    proto = torch.full_like(base, math.nan)
-    calibrated = torch.zeros(n, dtype=torch.bool, device=self.device)
+    c, bank = self.config, self.bank
     enqueued = confidence >= c.gamma
-    for t in range(n):
-        var = self.welford.update(float(base[t]))
-        if self.bank.calibrated(c.k_min):
-            calibrated[t] = True
-            proto[t] = proto_score(E[t:t + 1], self.bank.prototypes)[0]
-            alpha[t] = fusion_weight(var, c.alpha_min, c.alpha_max, c.var_ref, c.slope)
-            score[t] = fuse(base[t], proto[t], alpha[t])
-        if enqueued[t]: self.bank.add(int(predicted[t]), E[t])
-    return ProtonParts(score, base, proto, alpha, calibrated, enqueued, predicted)
+    calibrated = bank.calibrated(c.k_min)  # only an enqueue can change it
+    rows = []
+    for t, (b, gate, cls) in enumerate(zip(base.tolist(), enqueued.tolist(), predicted.tolist())):
+        var = self.welford.update(b)
+        if calibrated:
+            proto = float(proto_score(E[t:t + 1], bank.prototypes))
+            alpha = fusion_weight(var, c.alpha_min, c.alpha_max, c.var_ref, c.slope)
+            rows.append((fuse(b, proto, alpha), proto, alpha, True))
+        else: rows.append((b, math.nan, 1., False))
+        if gate:
+            bank.add(cls, E[t])
+            calibrated = calibrated or bank.calibrated(c.k_min)
+    score, proto, alpha, cal = torch.tensor(rows, dtype=self.dtype, device=self.device).reshape(-1, 4).T
+    return ProtonParts(score, base, proto, alpha, cal.bool(), enqueued, predicted)
 
 def _score(self:Proton,
            image_embeddings, # (N, d) or (d,) image embeddings of the next stream images, in order

@@ -127,7 +127,7 @@ def _score(self:Proton,
     except BaseException:
         if saved is not None: self.load_state_dict(saved)
         raise
-    parts = ProtonParts(*(torch.cat(p) for p in zip(*parts)))
+    parts = parts[0] if len(parts) == 1 else ProtonParts(*(torch.cat(p) for p in zip(*parts)))
     return parts if return_parts else parts.score
 
 Proton._scan, Proton.score = scan_chunk, _score

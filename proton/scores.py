@@ -21,7 +21,7 @@ def as_tensor(x, # numpy array, torch tensor or nested list
               name:str="input", # what `x` is, used in error messages
               check_finite:bool=True): # refuse NaN and Inf entries
     "`x` as a floating torch tensor, refusing NaN and Inf."
-    t = x if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x))
+    t = x if isinstance(x, Tensor) else torch.as_tensor(np.ascontiguousarray(x))
     t = t.to(device=device, dtype=dtype or (t.dtype if t.is_floating_point() else torch.float32))
     if not check_finite: return t
     bad = ~torch.isfinite(t)
@@ -45,11 +45,11 @@ def as_rows(x, # (N, d) or (d,) vectors, numpy or torch
     if dim is not None and t.shape[1] != dim:
         raise ValueError(f"{name} have dimension {t.shape[1]}, expected {dim} (shape {tuple(t.shape)})")
     norms = torch.linalg.vector_norm(t, dim=1)
-    bad = (~torch.isfinite(norms)).nonzero().flatten()
-    if len(bad): raise ValueError(f"{name} contains NaN or Inf values (first offending rows: {bad[:5].tolist()})")
-    short = (norms < MIN_NORM).nonzero().flatten()
-    if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length and cannot be L2-normalised")
-    return t, norms
+    if bool(((norms >= MIN_NORM) & (norms < math.inf)).all()): return t, norms  # NaN fails both comparisons
+    bad = (~torch.isfinite(norms)).nonzero().flatten()[:5].tolist()
+    if bad: raise ValueError(f"{name} contains NaN or Inf values (first offending rows: {bad})")
+    short = (norms < MIN_NORM).nonzero().flatten()[:5].tolist()
+    raise ValueError(f"{name} rows {short} have zero length and cannot be L2-normalised")
 
 def as_unit_rows(x, # (N, d) or (d,) vectors, numpy or torch
                  dim:int|None=None, # expected d; None accepts any

@@ -28,9 +28,9 @@ class SyntheticWorld:
     spread:float=0.5 # typical length of the low-rank noise
     spread_jitter:float=0.3 # log-normal spread of the noise length (image quality)
     noise_rank:int=64 # r, dimension of the noise subspace
-    domain_spread:float=0.2 # s_u, ID spread along the domain direction
-    cov_shift:float=1.3 # mean domain offset of covariate images
-    cov_confidence:float=1.6 # class-strength multiplier of covariate images
+    domain_spread:float=0.15 # s_u, ID spread along the domain direction
+    cov_shift:float=2.5 # mean domain offset of covariate images
+    cov_confidence:float=1.2 # class-strength multiplier of covariate images
     sem_novelty:float=0.6 # semantic images' component along the unnamed class
     sem_mix:float=1.5 # semantic images' class-mixture strength, relative to κ
     far_alignment:float=0.5 # far-OOD images' share of the image modality
@@ -68,13 +68,21 @@ def _sample(self:SyntheticWorld,
     length = self.spread * torch.exp(self.spread_jitter * rand(n, 1))
     noise = length * rand(n, self.noise_rank) @ self.noise_basis / math.sqrt(self.noise_rank)
     domain = self.domain_spread * rand(n, 1) * self.u
-    image = self.g + self.alignment * self.h
     w = torch.rand(n, 1, generator=g, dtype=torch.float64)
-    if kind == "id": x = image + kappa * A[cls]
-    elif kind == "covariate": x = image + self.cov_confidence * kappa * A[cls] + self.cov_shift * self.u
-    elif kind == "semantic": x = image + self.sem_novelty * self.v + self.sem_mix * kappa * (w * A[0] + (1 - w) * A[-1])
-    else: x = self.far_alignment * image + w * self.f1 + (1 - w) * self.f2 + 0.3 * kappa * A[cls]
+    rest = self.g + noise + domain  # the part of the image that no text anchor sees
+    text = self.alignment * self.h + kappa * A[cls]  # the part the text anchors see
+    if kind == "covariate":
+        shifted = rest + self.cov_shift * self.u
+        # grow the text part with the rest, so image-text cosines stay those of the unshifted image
+        text = (self.alignment * self.h + self.cov_confidence * kappa * A[cls]) * (shifted.norm(dim=1, keepdim=True) / rest.norm(dim=1, keepdim=True))
+        rest = shifted
+    elif kind == "semantic":
+        rest = rest + self.sem_novelty * self.v
+        text = self.alignment * self.h + self.sem_mix * kappa * (w * A[0] + (1 - w) * A[-1])
+    elif kind == "far":
+        rest = self.far_alignment * self.g + w * self.f1 + (1 - w) * self.f2 + noise + domain
+        text = self.far_alignment * self.alignment * self.h + 0.3 * kappa * A[cls]
     if kind in ("semantic", "far"): cls = torch.full((n,), -1)
-    return _unit(x + noise + domain).to(dtype), cls
+    return _unit(rest + text).to(dtype), cls
 
 SyntheticWorld.text_embeddings, SyntheticWorld.sample = _text_embeddings, _sample

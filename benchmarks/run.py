@@ -1,0 +1,151 @@
+"""Benchmarks of the PROTON stream engine: throughput, single-image latency and peak memory.
+
+Run: `.venv/bin/python benchmarks/run.py` (add `--quick` for a short run). Every number is measured in this run, on
+this machine, and speed-ups are printed as ratios against baselines measured in the same run:
+- `vectorised`: `Proton.score` on the whole stream (the exact vectorised engine);
+- `step by step`: the detector's per-image path (`Proton._steps`), the literal Algorithm 1;
+- `numpy loop`: a plain, straightforward numpy implementation of Algorithm 1 with Python lists as queues.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from proton import Proton, ProtonConfig
+from proton.scores import as_unit_rows
+
+
+def stream(n, n_classes, dim=512, seed=0, device="cpu"):
+    "Text embeddings and a clustered (n, dim) float32 stream: class centres plus noise, so most images pass the gate."
+    g = torch.Generator().manual_seed(seed)
+    T = torch.nn.functional.normalize(torch.randn(n_classes, dim, generator=g), dim=1)
+    X = torch.empty(n, dim)
+    for a in range(0, n, 1 << 18):  # in pieces, to keep the generator's temporaries small
+        b = min(n, a + (1 << 18))
+        cls = torch.randint(n_classes, (b - a,), generator=g)
+        X[a:b] = T[cls] + 0.5 * torch.randn(b - a, dim, generator=g) / dim ** 0.5
+    return T.to(device), X.to(device)
+
+
+def numpy_loop(T, X, cfg):
+    "Algorithm 1 written plainly with numpy: one image at a time, deque queues, prototype recomputed from its queue."
+    T, X = T.numpy().astype(np.float64), X.numpy()
+    queues = [deque(maxlen=cfg.bank_size) for _ in T]
+    protos = np.zeros_like(T)
+    n = mean = m2 = 0.0
+    out = np.empty(len(X))
+    for t, x in enumerate(X):
+        e = x / np.linalg.norm(x)
+        z = T @ e / cfg.temperature
+        p = np.exp(z - z.max()); p /= p.sum()
+        base = -p.max()
+        n += 1; d = base - mean; mean += d / n; m2 += d * (base - mean)
+        s = base
+        if min(len(q) for q in queues) >= cfg.k_min:
+            alpha = cfg.alpha_max - (cfg.alpha_max - cfg.alpha_min) / (1 + np.exp(-cfg.slope * (m2 / n - cfg.var_ref)))
+            s = alpha * base + (1 - alpha) * (1 - (protos @ e).max())
+        if p.max() >= cfg.gamma:
+            c = int(p.argmax()); queues[c].append(e)
+            mu = np.sum(queues[c], axis=0); protos[c] = mu / np.linalg.norm(mu)
+        out[t] = s
+    return out
+
+
+def timed(fn, repeat=1):
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter(); fn(); best = min(best, time.perf_counter() - start)
+    return best
+
+
+def sync(device):
+    if device == "cuda": torch.cuda.synchronize()
+
+
+def throughput(sizes, classes, slow_max, device, repeat):
+    "Rows of samples/s for the three implementations (the slow ones only up to `slow_max` images)."
+    rows, cfg = [], ProtonConfig()
+    for C in classes:
+        T, X = stream(max(sizes), C, device=device)
+        for n in sizes:
+            x = X[:n]
+            def vectorised():
+                Proton(T, cfg).score(x); sync(device)
+            rows.append(dict(C=C, n=n, impl="vectorised", seconds=timed(vectorised, repeat)))
+            if n <= slow_max:
+                def steps():
+                    det = Proton(T, cfg); E = as_unit_rows(x); det._steps(E, *det._classify(E)); sync(device)
+                rows.append(dict(C=C, n=n, impl="step by step", seconds=timed(steps)))
+                if device == "cpu": rows.append(dict(C=C, n=n, impl="numpy loop", seconds=timed(lambda: numpy_loop(T, x, cfg))))
+    for r in rows: r["samples_per_s"] = r["n"] / r["seconds"]
+    return rows
+
+
+def latency(device, n_warm=300, n_calls=3000):
+    "Median and 99th-percentile time of `score` on one image at a time, after a warm-up that calibrates the bank."
+    T, X = stream(n_warm + n_calls, 2, device=device)
+    det = Proton(T)
+    det.score(X[:n_warm])
+    times = []
+    for x in X[n_warm:]:
+        start = time.perf_counter(); det.score(x); sync(device); times.append(time.perf_counter() - start)
+    times = np.array(times) * 1e6
+    return dict(median_us=float(np.median(times)), p99_us=float(np.percentile(times, 99)))
+
+
+def peak_rss(n):
+    "Peak resident memory of a fresh process scoring an n-image stream, and of one that only builds the input."
+    code = ("import resource,sys,torch; sys.path.insert(0, %r); from run import stream; from proton import Proton;"
+            "T, X = stream(%d, 2); %s print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    def run(body):
+        out = subprocess.run([sys.executable, "-c", code % (here, n, body)], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1]) / 2**20  # ru_maxrss is in KiB on Linux
+    only_input, scoring = run(""), run("Proton(T).score(X);")
+    return dict(n=n, input_gib=n * 512 * 4 / 2**30, peak_gib_input_only=only_input, peak_gib_scoring=scoring,
+                beyond_input_gib=scoring - only_input)
+
+
+def table(rows):
+    "Samples/s per (C, n) and implementation, with speed-ups of the vectorised engine measured in the same run."
+    import pandas as pd
+    df = pd.DataFrame(rows).pivot_table(index=["C", "n"], columns="impl", values="samples_per_s")
+    for slow in ("step by step", "numpy loop"):
+        if slow in df: df[f"vectorised / {slow}"] = df["vectorised"] / df[slow]
+    return df
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes only (a minute)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="also write all results to this file")
+    a = p.parse_args(argv)
+    sizes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000, 1_000_000]
+    machine = dict(python=platform.python_version(), torch=torch.__version__, cpu=platform.processor() or platform.machine(),
+                   cores=os.cpu_count(), threads=torch.get_num_threads(), device=a.device,
+                   gpu=torch.cuda.get_device_name() if a.device == "cuda" else None)
+    print("machine:", json.dumps(machine))
+    rows = throughput(sizes, [2, 10], slow_max=10_000 if not a.quick else 1_000, device=a.device, repeat=2)
+    import pandas as pd
+    with pd.option_context("display.float_format", "{:,.1f}".format, "display.width", 200, "display.max_columns", None):
+        print("\nthroughput (samples/s; d=512, M=100) and ratios measured in this run:")
+        print(table(rows))
+    lat = latency(a.device)
+    print(f"\nsingle-image latency: median {lat['median_us']:.0f} us, p99 {lat['p99_us']:.0f} us")
+    mem = peak_rss(100_000 if a.quick else 1_000_000) if a.device == "cpu" else None
+    if mem: print(f"\npeak RSS scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['peak_gib_scoring']:.2f} GiB;"
+                  f" building the input alone: {mem['peak_gib_input_only']:.2f} GiB; beyond the input: {mem['beyond_input_gib']:.2f} GiB")
+    if a.json:
+        with open(a.json, "w") as f: json.dump(dict(machine=machine, throughput=rows, latency=lat, memory=mem), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Cross-cutting tests of the VLM protocol: `load_vlm`, an open_clip model with random weights, safe and strict loading, UniMed-CLIP."""
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from skimage import data as skdata
+
+from proton.vlm import VLM, load_vlm, load_weights, class_prompts, VLM_NAMES
+from proton.unimed import UniMedConfig, UniMedVLM, load_unimed
+
+ARCH = "ViT-S-32"  # the smallest open_clip ViT with a 224 px input: fast to build with random weights
+PHOTOS = [skdata.astronaut(), skdata.chelsea(), skdata.retina()]
+SMALL = UniMedConfig(embed_dim=32, image_size=32, patch_size=16, vision_width=64, vision_layers=2, vision_heads=2,
+                     vocab_size=200, text_width=48, text_layers=2, text_heads=2, text_intermediate=96,
+                     max_positions=64, context_length=16)
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return load_vlm(f"open_clip:{ARCH}/none")
+
+
+@pytest.fixture(scope="module")
+def photo_embeddings(clip):
+    "Embeddings of PHOTOS given as uint8 arrays, in one batch; the reference the other input forms are compared with."
+    return clip.encode_images(PHOTOS)
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory):
+    "A tiny WordPiece vocabulary: special tokens, a few words, single characters and their continuations."
+    folder = tmp_path_factory.mktemp("vocab")
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.-")
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "chest", "x", "ray", "normal"] + chars + ["##" + c for c in chars]
+    (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(tokens)) + "\n")
+    return folder
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(ValueError) as e: load_vlm("biomedclip")
+    assert "unknown VLM 'biomedclip'" in str(e.value)
+    for name in ("flair", "unimed-clip", "quiltnet", "open_clip:<arch>/<pretrained>"): assert name in str(e.value)
+    assert set(VLM_NAMES) >= {"flair", "unimed-clip", "unimed", "quiltnet"}
+
+
+def test_open_clip_attributes(clip):
+    assert isinstance(clip, VLM) and clip.name == f"open_clip:{ARCH}/none"
+    assert clip.image_size == (224, 224) and clip.device == torch.device("cpu")
+    assert clip.temperature == pytest.approx(0.07)  # open_clip's initial logit_scale is log(1/0.07)
+
+
+def test_pil_and_uint8_inputs_agree(clip, photo_embeddings):
+    from_arrays = photo_embeddings
+    from_pil = clip.encode_images([Image.fromarray(p) for p in PHOTOS])
+    assert from_arrays.shape == (3, clip.dim) and from_arrays.dtype == torch.float32 and from_arrays.device.type == "cpu"
+    torch.testing.assert_close(from_pil, from_arrays)
+    preprocessed = torch.stack([clip.preprocess(p) for p in PHOTOS])
+    torch.testing.assert_close(clip.encode_images(preprocessed), from_arrays)
+
+
+def test_batch_size_does_not_change_embeddings(clip, photo_embeddings):
+    torch.testing.assert_close(clip.encode_images(PHOTOS, batch_size=1), photo_embeddings, atol=1e-5, rtol=0)
+    torch.testing.assert_close(clip.encode_images(PHOTOS, batch_size=2), photo_embeddings, atol=1e-5, rtol=0)
+    prompts = class_prompts(["cat", "astronaut", "retina"])
+    torch.testing.assert_close(clip.encode_text(prompts, batch_size=1), clip.encode_text(prompts), atol=1e-5, rtol=0)
+
+
+def test_unit_norms(clip, photo_embeddings):
+    E, T = photo_embeddings, clip.encode_text(class_prompts(["cat", "dog"]))
+    L = clip.encode_local(PHOTOS[:1])
+    assert T.shape == (2, clip.dim) and L.shape == (1, 7 * 7, clip.dim)
+    for x in (E, T, L): torch.testing.assert_close(x.norm(dim=-1), torch.ones(x.shape[:-1]))
+
+
+def test_embeddings_are_not_degenerate(clip, photo_embeddings):
+    "Different images and prompts give different embeddings (a model that ignored its input would pass the norm tests)."
+    E, T = photo_embeddings, clip.encode_text(["a cat", "a retina"])
+    assert (E @ E.T - torch.eye(3)).abs().max() < 0.9999
+    assert (T[0] @ T[1]).abs() < 0.9999
+
+
+def test_bad_inputs_are_refused(clip):
+    with pytest.raises(ValueError, match="single image"): clip.encode_images(PHOTOS[0])
+    with pytest.raises(ValueError, match="must be uint8"): clip.encode_images([PHOTOS[0] / 255.])
+    with pytest.raises(ValueError, match=r"\(N, 3, 224, 224\)"): clip.encode_images(torch.zeros(1, 3, 64, 64))
+    with pytest.raises(ValueError, match="list of strings"): clip.encode_text("a cat")
+
+
+def test_random_weights_follow_the_seed(clip):
+    same = load_vlm(f"open_clip:{ARCH}/none", seed=0)
+    other = load_vlm(f"open_clip:{ARCH}", seed=1)
+    torch.testing.assert_close(same.encode_text(["a cat"]), clip.encode_text(["a cat"]))
+    assert not torch.allclose(other.encode_text(["a cat"]), clip.encode_text(["a cat"]))
+
+
+def test_local_weights_file_round_trip(clip, tmp_path):
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in clip.model.state_dict().items()}, tmp_path / "w.safetensors")
+    loaded = load_vlm(f"open_clip:{ARCH}", checkpoint=tmp_path / "w.safetensors", seed=1)
+    torch.testing.assert_close(loaded.encode_images(PHOTOS[:1]), clip.encode_images(PHOTOS[:1]))
+
+
+class _TouchOnUnpickle:
+    "Unpickling this object creates a file: proof that arbitrary code ran."
+    def __init__(self, marker): self.marker = marker
+    def __reduce__(self): return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_pickled_objects_are_refused(clip, tmp_path):
+    marker = tmp_path / "code-ran"
+    sd = dict(clip.model.state_dict())
+    torch.save({"state_dict": sd, "hook": _TouchOnUnpickle(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="refusing to load"): load_vlm(f"open_clip:{ARCH}/{tmp_path / 'evil.pt'}")
+    with pytest.raises(ValueError, match="refusing to load"): load_weights(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+def test_open_clip_strict_loading_names_keys(clip, tmp_path):
+    sd = dict(clip.model.state_dict())
+    del sd["visual.proj"]
+    torch.save(sd, tmp_path / "partial.pt")
+    with pytest.raises(ValueError, match=r"missing keys \['visual.proj'\]"): load_vlm(f"open_clip:{ARCH}", checkpoint=tmp_path / "partial.pt")
+
+
+def _unimed_checkpoint(path, vlm, edit=lambda sd: sd):
+    "Save `vlm`'s weights as the authors' training code does: wrapped, with a DistributedDataParallel prefix."
+    sd = edit({"module." + k: v for k, v in vlm.model.state_dict().items()})
+    torch.save({"epoch": 1, "name": "unimed", "state_dict": sd}, path)
+    return path
+
+
+def test_unimed_round_trip(vocab, tmp_path):
+    source = load_unimed("none", tokenizer=vocab, config=SMALL, seed=3)
+    loaded = load_vlm("unimed-clip", checkpoint=_unimed_checkpoint(tmp_path / "u.pt", source), tokenizer=vocab, config=SMALL)
+    assert isinstance(loaded, UniMedVLM) and loaded.dim == 32 and loaded.image_size == (32, 32)
+    images, prompts = [skdata.camera(), skdata.chelsea()], ["a normal chest x-ray", "x"]
+    E, T = loaded.encode_images(images), loaded.encode_text(prompts)
+    torch.testing.assert_close(E, source.encode_images(images)); torch.testing.assert_close(T, source.encode_text(prompts))
+    torch.testing.assert_close(E.norm(dim=1), torch.ones(2)); torch.testing.assert_close(T.norm(dim=1), torch.ones(2))
+
+
+def test_unimed_reports_missing_and_extra_keys_by_name(vocab, tmp_path):
+    source = load_unimed("none", tokenizer=vocab, config=SMALL)
+    def drop(sd): return {k: v for k, v in sd.items() if k != "module.visual.ln_post.bias"}
+    def add(sd): return {**sd, "module.text_encoder.transformer.pooler.dense.weight": torch.zeros(48, 48)}
+    with pytest.raises(ValueError, match=r"missing keys \['visual.ln_post.bias'\]"):
+        load_unimed(_unimed_checkpoint(tmp_path / "a.pt", source, drop), tokenizer=vocab, config=SMALL)
+    with pytest.raises(ValueError, match=r"unexpected keys \['text_encoder.transformer.pooler.dense.weight'\]"):
+        load_unimed(_unimed_checkpoint(tmp_path / "b.pt", source, add), tokenizer=vocab, config=SMALL)
+
+
+def test_unimed_old_position_ids_buffer(vocab, tmp_path):
+    source = load_unimed("none", tokenizer=vocab, config=SMALL)
+    key = "module.text_encoder.transformer.embeddings.position_ids"
+    good = _unimed_checkpoint(tmp_path / "old.pt", source, lambda sd: {**sd, key: torch.arange(64)[None]})
+    load_unimed(good, tokenizer=vocab, config=SMALL)
+    bad = _unimed_checkpoint(tmp_path / "bad.pt", source, lambda sd: {**sd, key: torch.arange(64).flip(0)[None]})
+    with pytest.raises(ValueError, match="position_ids"): load_unimed(bad, tokenizer=vocab, config=SMALL)
+
+
+def test_unimed_needs_its_files(vocab):
+    with pytest.raises(ValueError, match="pass tokenizer="): load_unimed("none", config=SMALL)
+    with pytest.raises(ValueError, match="pass checkpoint="): load_vlm("unimed", tokenizer=vocab, config=SMALL)

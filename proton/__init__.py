@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 __all__ = ['BASE_SCORES', 'as_unit_rows', 'zero_shot_logits', 'get_base_score', 'PrototypeBank', 'proto_score', 'Welford',
            'fusion_weight', 'fuse', 'Proton', 'ProtonConfig', 'ProtonParts', 'running_variance', 'scan_chunk',
            'ood_metrics', 'SyntheticWorld', 'SHIFTS', 'BASELINES', 'baseline_scores', 'fit_knn', 'fit_mahalanobis',
-           'split_held_out', 'VLM', 'load_vlm', 'class_prompts', 'prompt_ensemble']
+           'split_held_out', 'VLM', 'load_vlm', 'class_prompts', 'prompt_ensemble', 'EmbeddingCache',
+           'CorruptCacheError', 'Stream', 'ORDERS', 'make_stream', 'stream_permutations', 'misroute']
 
 # %% ../nbs/index.ipynb
 from .scores import BASE_SCORES, as_unit_rows, zero_shot_logits, get_base_score
@@ -18,9 +19,12 @@ from .detector import Proton, ProtonConfig, ProtonParts
 from .engine import running_variance, scan_chunk  # from here on, Proton.score runs the vectorised engine
 from .metrics import ood_metrics
 from .synth import SyntheticWorld, SHIFTS
+from .cache import EmbeddingCache, CorruptCacheError
+from .streams import Stream, ORDERS, make_stream, stream_permutations, misroute
 from .baselines import BASELINES, baseline_scores, fit_knn, fit_mahalanobis, split_held_out
 from .vlm import VLM, load_vlm, class_prompts, prompt_ensemble
 _all_ = ["BASE_SCORES", "as_unit_rows", "zero_shot_logits", "get_base_score", "PrototypeBank", "proto_score", "Welford",
          "fusion_weight", "fuse", "Proton", "ProtonConfig", "ProtonParts", "running_variance", "scan_chunk", "ood_metrics", "SyntheticWorld", "SHIFTS",
          "BASELINES", "baseline_scores", "fit_knn", "fit_mahalanobis", "split_held_out", "VLM", "load_vlm", "class_prompts",
-         "prompt_ensemble"]
+         "prompt_ensemble", "EmbeddingCache", "CorruptCacheError", "Stream", "ORDERS", "make_stream", "stream_permutations",
+         "misroute"]

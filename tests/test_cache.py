@@ -1,0 +1,404 @@
+"""Embedding caches survive the disk exactly or fail loudly, and streams are reproducible, at the requested ID fraction, and corruptible on purpose by an exact amount."""
+import json
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import proton.cache as cache_module
+from proton.cache import CACHE_FORMAT, CorruptCacheError, EmbeddingCache
+from proton.streams import ORDERS, make_stream, misroute, stream_permutations
+from proton.synth import SHIFTS, SyntheticWorld
+
+WORLD = SyntheticWorld(seed=1)
+CACHE = EmbeddingCache.from_world(WORLD, n_id=80, n_per_shift=40, seed=2)
+ARRAYS = ("image_embeddings", "text_embeddings", "labels", "shift", "local_embeddings")
+
+
+def small(**change):
+    rng = np.random.default_rng(0)
+    fields = dict(image_embeddings=rng.normal(size=(7, 5)).astype(np.float32), text_embeddings=rng.normal(size=(3, 5)),
+                  class_names=["a", "b", "c"], labels=[0, 2, 1, 0, -1, -1, -1],
+                  shift=["id", "id", "id", "id", "semantic", "covariate", "far"], temperature=0.05,
+                  local_embeddings=rng.normal(size=(7, 4, 5)).astype(np.float32),
+                  source=[f"scan_{i}.png" for i in range(7)],
+                  metadata={"model": "toy", "prompts": {"a": ["a photo of a"]}, "created": "2026-01-01T00:00:00+00:00",
+                            "note": "ünïcode ✓", "n": 3, "ratio": 0.1})
+    return EmbeddingCache(**{**fields, **change})
+
+
+def same_content(a, b):
+    for k in ARRAYS:
+        x, y = getattr(a, k), getattr(b, k)
+        if x is None or y is None:
+            assert x is None and y is None, k
+            continue
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+    assert (a.class_names, a.source, a.metadata, a.temperature) == (b.class_names, b.source, b.metadata, b.temperature)
+
+
+# --- round trip -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_round_trip_is_bitwise(tmp_path, dtype):
+    c = small(image_embeddings=small().image_embeddings.astype(dtype))
+    back = EmbeddingCache.load(c.save(tmp_path / "c.npz"))
+    same_content(c, back)
+    assert back.content_hash() == c.content_hash()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+
+
+def test_round_trip_of_a_synthetic_cache_and_without_optional_fields(tmp_path):
+    back = EmbeddingCache.load(CACHE.save(tmp_path / "world.npz"))
+    same_content(CACHE, back)
+    assert back.local_embeddings is None and back.source is None and back.metadata["simulated"] is True
+
+
+def test_saving_again_replaces_the_file(tmp_path):
+    path = tmp_path / "c.npz"
+    small().save(path)
+    CACHE.save(path)
+    same_content(EmbeddingCache.load(path), CACHE)
+
+
+def test_content_hash_sees_every_part():
+    h = small().content_hash()
+    E = small().image_embeddings.copy(); E[3, 1] = np.nextafter(E[3, 1], np.float32(1))
+    assert small(image_embeddings=E).content_hash() != h
+    assert small(metadata={"model": "other"}).content_hash() != h
+    assert small(class_names=["a", "b", "d"]).content_hash() != h
+    assert small(temperature=0.0500001).content_hash() != h
+    assert small(source=None).content_hash() != h
+    assert small().content_hash() == h
+
+
+# --- damaged files ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", [0, 1, 30, 0.5, -22, -1])
+def test_truncated_file_is_refused_naming_it(tmp_path, keep):
+    raw = small().save(tmp_path / "c.npz").read_bytes()
+    n = int(keep * len(raw)) if isinstance(keep, float) else keep % len(raw) if keep < 0 else keep
+    bad = tmp_path / "cut.npz"
+    bad.write_bytes(raw[:n])
+    with pytest.raises(CorruptCacheError, match="cut.npz"):
+        EmbeddingCache.load(bad)
+
+
+def test_flipped_byte_in_the_data_is_a_checksum_mismatch(tmp_path):
+    c = small()
+    raw = bytearray(c.save(tmp_path / "c.npz").read_bytes())
+    at = raw.find(c.image_embeddings.tobytes())
+    assert at > 0
+    raw[at + 17] ^= 0x01
+    (tmp_path / "flipped.npz").write_bytes(bytes(raw))
+    with pytest.raises(CorruptCacheError, match=r"flipped\.npz: checksum mismatch"):
+        EmbeddingCache.load(tmp_path / "flipped.npz")
+
+
+def test_any_flipped_byte_is_refused_or_harmless(tmp_path):
+    "Flip every byte of a small cache file in turn: the load fails naming the file, or returns identical content."
+    c = small(local_embeddings=None)
+    raw = c.save(tmp_path / "c.npz").read_bytes()
+    arrays, header = c._contents()
+    payload = [raw.find(a.tobytes()) for a in arrays.values()] + [raw.find(np.array(header).tobytes())]
+    assert min(payload) > 0
+    protected = set().union(*(range(at, at + n) for at, n in zip(payload, [a.nbytes for a in arrays.values()] + [np.array(header).nbytes])))
+    target, harmless = tmp_path / "x.npz", []
+    structural = sorted(set(range(len(raw))) - protected)
+    positions = structural[::3] + sorted(protected)[::29]  # the zip layout repeats per entry, so a third of it sees every field
+    for i in positions:
+        b = bytearray(raw); b[i] ^= 0x04
+        target.write_bytes(bytes(b))
+        try:
+            same_content(EmbeddingCache.load(target), c)
+            harmless.append(i)  # zip bookkeeping that does not reach the content: timestamps, flags, spare fields
+        except CorruptCacheError as e:
+            assert "x.npz" in str(e)
+    assert not protected & set(harmless)
+    assert len(harmless) < len(structural[::3])  # most structural bytes are checked too
+
+
+def test_tampered_but_valid_archive_is_a_checksum_mismatch(tmp_path):
+    path = CACHE.save(tmp_path / "c.npz")
+    with np.load(path, allow_pickle=False) as npz:
+        entries = {k: npz[k] for k in npz.files}
+    entries["labels"][0] = 1 - entries["labels"][0]  # still a valid cache, but not the one that was hashed
+    np.savez(tmp_path / "t.npz", **entries)
+    with pytest.raises(CorruptCacheError, match="checksum mismatch"):
+        EmbeddingCache.load(tmp_path / "t.npz")
+    header = json.loads(str(entries["header"]))
+    header["metadata"]["model"] = "something else"
+    np.savez(tmp_path / "m.npz", **(entries | {"header": np.array(json.dumps(header))}))
+    with pytest.raises(CorruptCacheError, match="checksum mismatch"):
+        EmbeddingCache.load(tmp_path / "m.npz")
+
+
+def test_not_a_cache(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    with pytest.raises(CorruptCacheError, match=r"a\.npy: holds a single \.npy array"):
+        EmbeddingCache.load(tmp_path / "a.npy")
+    np.savez(tmp_path / "b.npz", x=np.zeros(3))
+    with pytest.raises(CorruptCacheError, match=r"b\.npz: missing or malformed 'header'"):
+        EmbeddingCache.load(tmp_path / "b.npz")
+    (tmp_path / "c.npz").write_text("hello")
+    with pytest.raises(CorruptCacheError, match=r"c\.npz: not a readable \.npz archive"):
+        EmbeddingCache.load(tmp_path / "c.npz")
+    with pytest.raises(FileNotFoundError):
+        EmbeddingCache.load(tmp_path / "missing.npz")
+
+
+def write_with_valid_hash(path, arrays, header):
+    "An archive whose hash is right, so that only the content checks can refuse it."
+    np.savez(path, header=np.array(header), sha256=np.array(cache_module._digest(arrays, header)), **arrays)
+
+
+def test_unknown_format_and_extra_entries_are_refused(tmp_path):
+    arrays, header = small()._contents()
+    h = json.loads(header); h["format"] = "proton-cache-99"
+    write_with_valid_hash(tmp_path / "f.npz", arrays, json.dumps(h))
+    with pytest.raises(CorruptCacheError, match="unknown format 'proton-cache-99'"):
+        EmbeddingCache.load(tmp_path / "f.npz")
+    write_with_valid_hash(tmp_path / "e.npz", arrays | {"extra": np.zeros(2)}, header)
+    with pytest.raises(CorruptCacheError, match=r"unexpected entries \['extra'\]"):
+        EmbeddingCache.load(tmp_path / "e.npz")
+    assert json.loads(header)["format"] == CACHE_FORMAT
+
+
+def test_invalid_content_with_valid_hash_is_refused_on_load(tmp_path):
+    arrays, header = small()._contents()
+    arrays = arrays | {"labels": np.array([0, 2, 1, 0, -1, 1, -1])}  # a covariate image with a class
+    write_with_valid_hash(tmp_path / "v.npz", arrays, header)
+    with pytest.raises(CorruptCacheError, match=r"v\.npz: invalid cache: labels and shift disagree: rows \[5\]"):
+        EmbeddingCache.load(tmp_path / "v.npz")
+    nan = arrays | {"image_embeddings": np.full((7, 5), np.nan, dtype=np.float32)}
+    write_with_valid_hash(tmp_path / "n.npz", nan, header)
+    with pytest.raises(CorruptCacheError, match="image_embeddings contains NaN"):
+        EmbeddingCache.load(tmp_path / "n.npz")
+
+
+# --- no pickle --------------------------------------------------------------------------------------------------
+
+def test_object_array_is_refused(tmp_path):
+    path = small().save(tmp_path / "c.npz")
+    with np.load(path, allow_pickle=False) as npz:
+        entries = {k: npz[k] for k in npz.files}
+    np.savez(tmp_path / "o.npz", **(entries | {"source": np.array([object()] * 7, dtype=object)}))
+    with pytest.raises(CorruptCacheError, match=r"o\.npz: entry 'source' is an object array"):
+        EmbeddingCache.load(tmp_path / "o.npz")
+
+
+class Payload:
+    ran = False
+
+    def __reduce__(self):
+        return (setattr, (Payload, "ran", True))
+
+
+def test_a_pickle_is_never_unpickled(tmp_path):
+    (tmp_path / "p.npz").write_bytes(pickle.dumps({"image_embeddings": Payload()}))
+    with pytest.raises(CorruptCacheError, match=r"p\.npz"):
+        EmbeddingCache.load(tmp_path / "p.npz")
+    assert not Payload.ran
+
+
+def test_save_and_load_never_call_pickle(tmp_path, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle was used")
+    for name in ("load", "loads", "dump", "dumps", "Unpickler", "Pickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    same_content(EmbeddingCache.load(small().save(tmp_path / "c.npz")), small())
+
+
+# --- atomic save ------------------------------------------------------------------------------------------------
+
+def half_write_then(exc):
+    def savez(file, **arrays):
+        file.write(b"PK\x03\x04" + b"\0" * 1000)  # the start of an archive, as a real write would leave it
+        raise exc
+    return savez
+
+
+@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch, exc):
+    path = small().save(tmp_path / "c.npz")
+    good = path.read_bytes()
+    monkeypatch.setattr(cache_module.np, "savez", half_write_then(exc))
+    with pytest.raises(type(exc)):
+        CACHE.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]  # no temporary file left behind
+    same_content(EmbeddingCache.load(path), small())
+
+
+def test_interrupted_first_save_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_module.np, "savez", half_write_then(OSError("disk gone")))
+    with pytest.raises(OSError, match="disk gone"):
+        CACHE.save(tmp_path / "new.npz")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failing_rename_keeps_the_old_file(tmp_path, monkeypatch):
+    path = small().save(tmp_path / "c.npz")
+    good = path.read_bytes()
+    def refuse(src, dst): raise PermissionError("rename refused")
+    monkeypatch.setattr(cache_module.os, "replace", refuse)
+    with pytest.raises(PermissionError):
+        CACHE.save(path)
+    assert path.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+
+
+def test_data_is_synced_before_the_rename(tmp_path, monkeypatch):
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(cache_module.os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(cache_module.os, "replace", lambda a, b: (events.append("replace"), replace(a, b))[1])
+    small().save(tmp_path / "c.npz")
+    assert events.index("fsync") < events.index("replace")
+
+
+# --- validation -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("labels, shift, message", [
+    ([0, 2, 1, 0, 0, -1, -1], None, r"rows \[4\] have shift \['semantic'\] but labels \[0\]"),
+    ([0, 2, 1, 0, -1, 2, -1], None, r"rows \[5\] have shift \['covariate'\] but labels \[2\]"),
+    ([0, 2, -1, 0, -1, -1, -1], None, r"rows \[2\] have shift 'id' but label -1"),
+    ([0, 3, 1, 0, -1, -1, -1], None, r"labels must be in \[-1, 3\), got \[3\]"),
+    ([0, -2, 1, 0, -1, -1, -1], None, r"labels must be in \[-1, 3\), got \[-2\]"),
+    (None, ["id"] * 4 + ["semantic", "covariate", "unknown"], r"shift has unknown names \['unknown'\]"),
+    (None, ["id"] * 4 + ["semantic", "covariate"], "shift must hold 7 strings, got 6"),
+])
+def test_label_and_shift_inconsistencies_are_refused(labels, shift, message):
+    change = {k: v for k, v in (("labels", labels), ("shift", shift)) if v is not None}
+    with pytest.raises(ValueError, match=message):
+        small(**change)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(image_embeddings=np.zeros((7, 5), dtype=np.int64)), "image_embeddings must have a floating dtype"),
+    (dict(text_embeddings=np.zeros((3, 4))), "text_embeddings have dimension 4, but image_embeddings have 5"),
+    (dict(text_embeddings=np.full((3, 5), np.inf)), "text_embeddings contains NaN or Inf"),
+    (dict(local_embeddings=np.zeros((6, 4, 5))), r"local_embeddings must have shape \(7, L, 5\)"),
+    (dict(local_embeddings=np.zeros((7, 5))), "local_embeddings must have 3 dimensions"),
+    (dict(temperature=float("nan")), "temperature must be positive and finite"),
+    (dict(metadata={"x": float("nan")}), "metadata must be JSON-serialisable"),
+    (dict(class_names=["a", "b", 3]), r"class_names must hold strings, but entries \[2\]"),
+])
+def test_bad_fields_are_refused_naming_them(change, message):
+    with pytest.raises(ValueError, match=message):
+        small(**change)
+
+
+def test_torch_inputs_are_accepted():
+    import torch
+    c = small(image_embeddings=torch.as_tensor(small().image_embeddings), labels=torch.tensor([0, 2, 1, 0, -1, -1, -1]))
+    same_content(c, small())
+
+
+# --- streams ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("shift", SHIFTS[1:])
+def test_stream_holds_exactly_id_and_its_shift_and_is_reproducible(shift, order):
+    s = make_stream(CACHE, shift, order=order, seed=3, warmup=10)
+    assert np.array_equal(np.sort(s.indices), np.flatnonzero(np.isin(CACHE.shift, ["id", shift])))
+    assert np.array_equal(s.is_ood, CACHE.shift[s.indices] == shift)
+    again = make_stream(CACHE, shift, order=order, seed=3, warmup=10)
+    assert np.array_equal(s.indices, again.indices)
+    other = make_stream(CACHE, shift, order=order, seed=4, warmup=10)
+    assert not np.array_equal(s.indices, other.indices)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rho=st.floats(0.02, 0.98), n_id=st.integers(1, 80), n_ood=st.integers(1, 40))
+def test_rho_is_respected(rho, n_id, n_ood):
+    c = CACHE.subset(np.r_[np.flatnonzero(CACHE.shift == "id")[:n_id], np.flatnonzero(CACHE.shift == "far")[:n_ood]])
+    try:
+        s = make_stream(c, "far", rho=rho, sample_seed=n_id)
+    except ValueError as e:  # allowed only when rounding leaves one side empty
+        assert f"rho={rho} leaves 0 ID" in str(e) or "and 0 OOD images" in str(e)
+        return
+    n = len(s.indices)
+    assert abs((~s.is_ood).mean() - rho) <= 1 / (2 * n) + 1e-12
+    assert (~s.is_ood).sum() == n_id or s.is_ood.sum() == n_ood  # only the side in excess is subsampled
+    assert len(np.unique(s.indices)) == n
+
+
+def test_rho_outside_the_open_interval_is_refused():
+    for rho in (0, 1, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"rho \(the ID fraction\) must be in \(0, 1\)"):
+            make_stream(CACHE, "covariate", rho=rho)
+
+
+def test_missing_pieces_are_refused():
+    with pytest.raises(ValueError, match="the cache has no 'semantic' images"):
+        make_stream(CACHE.subset(CACHE.shift != "semantic"), "semantic")
+    with pytest.raises(ValueError, match="the cache has no ID images"):
+        make_stream(CACHE.subset(CACHE.shift != "id"), "semantic")
+
+
+def test_permutations_reorder_the_same_images():
+    perms = stream_permutations(CACHE, "covariate", n_permutations=5, seed=10, rho=0.5, order="drift")
+    assert [s for s, _ in perms] == list(range(10, 15))
+    members = {np.sort(p.indices).tobytes() for _, p in perms}
+    orders = {p.indices.tobytes() for _, p in perms}
+    assert len(members) == 1 and len(orders) == 5
+    assert np.array_equal(perms[3][1].indices, make_stream(CACHE, "covariate", rho=0.5, order="drift", seed=13).indices)
+
+
+def test_drift_and_burst_put_ood_where_promised():
+    drift = [make_stream(CACHE, "far", order="drift", seed=s).is_ood for s in range(20)]
+    thirds = np.array([[part.mean() for part in np.array_split(d, 3)] for d in drift]).mean(0)
+    assert thirds[0] < thirds[1] < thirds[2]
+    burst = make_stream(CACHE, "far", order="burst").is_ood
+    ood = np.flatnonzero(burst)
+    assert np.array_equal(ood, np.arange(ood[0], ood[0] + 40)) and ood[0] == 40
+
+
+@pytest.mark.parametrize("fraction, seed", [(0.0, 0), (0.05, 1), (0.25, 2), (0.5, 3), (0.8, 4)])
+def test_misrouting_fraction_is_exact(fraction, seed):
+    id_rows = np.flatnonzero(CACHE.shift == "id")
+    before = CACHE.predicted()
+    bad = misroute(CACHE, fraction, seed=seed)
+    after = bad.predicted()
+    newly_wrong = (before == CACHE.labels) & (after != CACHE.labels)
+    assert newly_wrong.sum() == round(fraction * len(id_rows))
+    assert np.array_equal(np.flatnonzero(after != before), np.flatnonzero(newly_wrong))
+    changed = np.flatnonzero((bad.image_embeddings != CACHE.image_embeddings).any(1))
+    assert np.array_equal(changed, np.flatnonzero(newly_wrong))  # nothing else moved, not even by rounding
+    assert bad.metadata["misrouted"]["rows"] == changed.tolist()
+    assert np.array_equal(bad.labels, CACHE.labels) and np.array_equal(bad.shift, CACHE.shift)
+    np.testing.assert_allclose(np.linalg.norm(bad.image_embeddings, axis=1), np.linalg.norm(CACHE.image_embeddings, axis=1), rtol=1e-5)
+
+
+def test_misrouting_with_three_classes_keeps_the_change_in_the_text_span():
+    world = SyntheticWorld(n_classes=3, seed=5)
+    c = EmbeddingCache.from_world(world, n_id=90, n_per_shift=5, seed=0)
+    bad = misroute(c, 0.3, seed=0)
+    delta = (bad.image_embeddings - c.image_embeddings).astype(np.float64)
+    T = c.text_embeddings.astype(np.float64)
+    assert np.abs(delta - delta @ np.linalg.pinv(T) @ T).max() < 1e-5
+    assert ((c.predicted() != bad.predicted()).sum()) == round(0.3 * 90)
+
+
+def test_misrouting_refuses_impossible_requests():
+    with pytest.raises(ValueError, match="cannot misroute 80 of 80 ID images"):
+        misroute(CACHE, 1.0)
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
+        misroute(CACHE, -0.1)
+
+
+def test_misrouting_stays_exact_for_images_on_the_decision_boundary():
+    "Images a hair from the bisector of two classes: some reflections round back to the old class and must be skipped."
+    rng = np.random.default_rng(0)
+    T = rng.normal(size=(2, 8)); T /= np.linalg.norm(T, axis=1, keepdims=True)
+    w = (T[0] - T[1]) / np.linalg.norm(T[0] - T[1])
+    E = rng.normal(size=(200, 8))
+    E = (E - np.outer(E @ w, w) + 1e-9 * w).astype(np.float32)  # near-ties after rounding to float32
+    E = E[(E.astype(np.float64) @ T.T).argmax(1) == 0]
+    c = EmbeddingCache(image_embeddings=E, text_embeddings=T, class_names=["a", "b"], labels=np.zeros(len(E), int),
+                       shift=["id"] * len(E), temperature=0.01)
+    bad = misroute(c, 0.25)
+    assert (bad.predicted() != 0).sum() == round(0.25 * len(E))

@@ -9,9 +9,7 @@ cfg = ConfigParser(delimiters=["="])
 cfg.read(here / "settings.ini", encoding="utf-8")
 cfg = cfg["DEFAULT"]
 
-licenses = {"apache2": ("Apache Software License 2.0", "OSI Approved :: Apache Software License")}
 statuses = ["Planning", "Pre-Alpha", "Alpha", "Beta", "Production/Stable", "Mature", "Inactive"]
-lic = licenses[cfg["license"]]
 reqs = lambda key: cfg.get(key, "").split()
 plot, vlm, data, dev = (reqs(f"{k}_requirements") for k in ("plot", "vlm", "data", "dev"))
 
@@ -24,12 +22,11 @@ setuptools.setup(
     author=cfg["author"],
     author_email=cfg["author_email"],
     url=cfg["git_url"],
-    license=lic[0],
+    license="Apache-2.0",
     keywords=cfg["keywords"],
     classifiers=[
         f"Development Status :: {int(cfg['status']) + 1} - {statuses[int(cfg['status'])]}",
         f"Intended Audience :: {cfg['audience']}",
-        f"License :: {lic[1]}",
         "Natural Language :: English",
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Medical Science Apps.",
@@ -39,6 +36,7 @@ setuptools.setup(
     include_package_data=True,
     install_requires=reqs("requirements"),
     extras_require={"plot": plot, "vlm": vlm, "data": data, "all": plot + vlm + data, "dev": dev + plot + vlm + data},
-    entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
+    entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
+                  "console_scripts": cfg.get("console_scripts", "").split("\n")},
     zip_safe=False,
 )

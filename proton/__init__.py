@@ -9,7 +9,8 @@ __all__ = ['BASE_SCORES', 'as_unit_rows', 'zero_shot_logits', 'get_base_score', 
            'ood_metrics', 'SyntheticWorld', 'SHIFTS', 'BASELINES', 'baseline_scores', 'fit_knn', 'fit_mahalanobis',
            'split_held_out', 'VLM', 'load_vlm', 'class_prompts', 'prompt_ensemble', 'EmbeddingCache',
            'CorruptCacheError', 'Stream', 'ORDERS', 'make_stream', 'stream_permutations', 'misroute', 'save_detector',
-           'load_detector', 'threshold_for_id_recall']
+           'load_detector', 'threshold_for_id_recall', 'METHODS', 'evaluate', 'summarize', 'summary_table',
+           'method_scores', 'benchmark_main', 'main_table', 'ablation', 'sensitivity', 'robustness', 'generality']
 
 # %% ../nbs/index.ipynb
 from .scores import BASE_SCORES, as_unit_rows, zero_shot_logits, get_base_score
@@ -24,9 +25,17 @@ from .cache import EmbeddingCache, CorruptCacheError
 from .streams import Stream, ORDERS, make_stream, stream_permutations, misroute
 from .baselines import BASELINES, baseline_scores, fit_knn, fit_mahalanobis, split_held_out
 from .vlm import VLM, load_vlm, class_prompts, prompt_ensemble
+from .benchmark import METHODS, evaluate, summarize, summary_table, method_scores, benchmark_main
+from .exp_main import main_table
+from .exp_ablation import ablation
+from .exp_sensitivity import sensitivity
+from .exp_robustness import robustness
+from .exp_generality import generality
 from .deploy import save_detector, load_detector, threshold_for_id_recall
 _all_ = ["BASE_SCORES", "as_unit_rows", "zero_shot_logits", "get_base_score", "PrototypeBank", "proto_score", "Welford",
          "fusion_weight", "fuse", "Proton", "ProtonConfig", "ProtonParts", "running_variance", "scan_chunk", "ood_metrics", "SyntheticWorld", "SHIFTS",
          "BASELINES", "baseline_scores", "fit_knn", "fit_mahalanobis", "split_held_out", "VLM", "load_vlm", "class_prompts",
          "prompt_ensemble", "EmbeddingCache", "CorruptCacheError", "Stream", "ORDERS", "make_stream", "stream_permutations",
-         "misroute", "save_detector", "load_detector", "threshold_for_id_recall"]
+         "misroute", "save_detector", "load_detector", "threshold_for_id_recall",
+         "METHODS", "evaluate", "summarize", "summary_table", "method_scores", "benchmark_main", "main_table", "ablation",
+         "sensitivity", "robustness", "generality"]

@@ -32,8 +32,10 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
                                 epilog="Run `proton-ood COMMAND --help` for the options of a command.")
     p.add_argument("--version", action="version", version=f"proton-ood {__version__}")
     p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
-    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "benchmark": from proton.benchmark import benchmark_main as run
-    elif args.command == "extract": from proton.extract import extract_main as run
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS: p.parse_args(argv)  # prints help or version, or the usage error
+    command, rest = argv[0], argv[1:]  # the rest, `-h` included, belongs to the command
+    if command == "benchmark": from proton.benchmark import benchmark_main as run
+    elif command == "extract": from proton.extract import extract_main as run
     else: run = info_main
     return run(rest) or 0

@@ -35,3 +35,16 @@ def test_info_checks_a_cache(tmp_path):
     path.write_bytes(path.read_bytes()[:-40])  # truncated
     r = run("info", str(path))
     assert r.returncode != 0 and str(path) in r.stderr
+
+
+def test_command_help_reaches_the_command():
+    r = run("benchmark", "-h")
+    assert r.returncode == 0 and "--simulated" in r.stdout
+
+
+def test_benchmark_on_the_simulated_world(tmp_path):
+    out = tmp_path / "results.csv"
+    r = run("benchmark", "--simulated", "default", "--permutations", "1", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    header = out.read_text().splitlines()[0]
+    assert header == "method,shift,seed,auroc,aupr_out,aupr_in,fpr95,fpr95_ood,n_id,n_ood"

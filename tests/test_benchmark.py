@@ -1,0 +1,165 @@
+"""Cross-cutting tests of the benchmark runner, the experiments and the `benchmark` command."""
+import time
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import proton.benchmark as bench
+from proton.baselines import noisy_views
+from proton.benchmark import (COLUMNS, EXPERIMENTS, SkippedWarning, benchmark_main, carve_held_out, evaluate,
+                              method_scores, summarize)
+from proton.cache import EmbeddingCache
+from proton.detector import Proton, ProtonConfig
+from proton.streams import make_stream
+from proton.synth import SHIFTS, SyntheticWorld
+
+
+@pytest.fixture(scope="module")
+def cache():
+    return EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=100, n_per_shift=50)
+
+
+def quiet_evaluate(*args, **kwargs):
+    "`evaluate` without progress bars, its warnings returned alongside the results."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = evaluate(*args, progress=False, **kwargs)
+    return df, [str(w.message) for w in caught if issubclass(w.category, SkippedWarning)]
+
+
+def test_rows_for_every_method_shift_and_seed(cache):
+    methods = ["mcm", "energy", "knn_id", "mahalanobis_id", "proton", "proton[entropy]"]
+    df, _ = quiet_evaluate(cache, methods, n_permutations=3, seed=7)
+    assert tuple(df.columns) == COLUMNS
+    expected = {(m, s, seed) for m in methods for s in SHIFTS[1:] for seed in (7, 8, 9)}
+    assert set(zip(df.method, df["shift"], df.seed)) == expected and len(df) == len(expected)
+    assert df[list(bench.METRICS)].apply(lambda c: c.between(0, 1)).all().all()
+
+
+def test_results_are_deterministic(cache):
+    a, _ = quiet_evaluate(cache, ["mcm", "proton"], n_permutations=2)
+    b, _ = quiet_evaluate(cache, ["mcm", "proton"], n_permutations=2)
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_proton_method_is_the_detector_over_the_stream(cache):
+    stream = make_stream(cache, "far", seed=3)
+    config = ProtonConfig(gamma=.6, bank_size=15, k_min=3)
+    expected = Proton(cache.text_embeddings, replace(config, temperature=cache.temperature)).score(cache.image_embeddings[stream.indices])
+    np.testing.assert_allclose(method_scores("proton", cache, stream, config), expected.numpy(), atol=1e-5)
+
+
+def test_missing_shift_is_skipped_with_a_message_and_the_rest_runs(cache):
+    df, messages = quiet_evaluate(cache.subset(cache.shift != "semantic"), ["mcm", "proton"], n_permutations=2)
+    assert set(df["shift"]) == {"covariate", "far"}
+    assert any("shift 'semantic'" in m and "no 'semantic' images" in m for m in messages)
+
+
+@pytest.mark.parametrize("rho", [0, 1, 1.5, -.2])
+def test_rho_outside_the_unit_interval_is_an_error(cache, rho):
+    with pytest.raises(ValueError, match=r"rho \(the ID fraction\) must be in \(0, 1\)"):
+        evaluate(cache, ["mcm"], rho=rho, progress=False)
+
+
+def test_gl_mcm_is_skipped_without_local_embeddings_and_runs_with_them(cache):
+    df, messages = quiet_evaluate(cache, ["mcm", "gl_mcm", "proton[gl_mcm]"], n_permutations=1)
+    assert set(df.method) == {"mcm"}
+    assert any("gl_mcm (" in m and "local_embeddings" in m for m in messages)
+    assert any("proton[gl_mcm] (" in m for m in messages)
+    local = replace(cache, local_embeddings=noisy_views(cache.image_embeddings, 4, noise=.5, seed=0).numpy())
+    df, messages = quiet_evaluate(local, ["mcm", "gl_mcm", "proton[gl_mcm]"], n_permutations=1)
+    assert set(df.method) == {"mcm", "gl_mcm", "proton[gl_mcm]"} and not messages
+
+
+def test_held_out_images_never_enter_a_stream(cache, monkeypatch):
+    seen = []
+    def recording(c, shift, **options):
+        perms = stream_permutations(c, shift, **options)
+        seen.extend(c.image_embeddings[s.indices] for _, s in perms)
+        return perms
+    stream_permutations = bench.stream_permutations
+    monkeypatch.setattr(bench, "stream_permutations", recording)
+    df, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=2, held_out_fraction=.3, seed=4)
+    held = carve_held_out(cache, .3, seed=4).held_out.embeddings
+    assert len(seen) == 3 * 2 and len(held) == 30
+    for images in seen: assert not (images[:, None] == held[None]).all(-1).any()
+    assert set(df.n_id) == {100 - 30}
+    # without a held-out split the privileged methods are skipped, and the streams keep every ID image
+    df, messages = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, held_out_fraction=0)
+    assert set(df.method) == {"mcm"} and set(df.n_id) == {100}
+    assert any("knn_id (held_out_fraction=0" in m for m in messages)
+
+
+def test_unknown_method_and_stream_without_id_images(cache):
+    with pytest.raises(ValueError, match="unknown method 'msp'"): evaluate(cache, ["msp"], progress=False)
+    with pytest.raises(ValueError, match="the cache has no ID images"):
+        quiet_evaluate(cache.subset(cache.shift != "id"), ["mcm", "proton"])
+
+
+def test_summarize_pairs_deltas_on_settings(cache):
+    from proton.exp_robustness import robustness
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        df = robustness(cache, rhos=(.7, .3), misrouted=(0., .1), orders=("shuffled",), n_permutations=2, progress=False)
+    s = summarize(df)
+    for _, row in s[s.method == "proton"].iterrows():
+        same = (s.method == "mcm") & (s["shift"] == row["shift"]) & (s.factor == row.factor) & (s.misrouted == row.misrouted)
+        same &= (s.rho == row.rho) if not np.isnan(row.rho) else s.rho.isna()
+        assert same.sum() == 1
+        assert row.delta_auroc == pytest.approx(row.auroc_mean - s[same].auroc_mean.iloc[0])
+
+
+def test_command_writes_one_csv_per_experiment(cache, tmp_path, capsys):
+    path = cache.save(tmp_path / "small.npz")
+    out = tmp_path / "out" / "results.csv"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert benchmark_main([str(path), "--out", str(out), "--experiments", "main,ablation", "--permutations", "2", "--no-progress"]) == 0
+    main = pd.read_csv(out)
+    assert tuple(main.columns) == COLUMNS and set(main.seed) == {0, 1}
+    ablation = pd.read_csv(tmp_path / "out" / "results_ablation.csv")
+    assert tuple(ablation.columns) == COLUMNS and len(ablation) == 4 * 3 * 2
+    printed = capsys.readouterr().out
+    assert "main" in printed and "ablation" in printed and "AUROC" in printed and "simulated" in printed
+
+
+def test_command_with_two_caches_adds_a_cache_column(cache, tmp_path):
+    paths = [str(cache.save(tmp_path / f"{name}.npz")) for name in ("a", "b")]
+    out = tmp_path / "results.csv"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert benchmark_main(paths + ["--out", str(out), "--permutations", "1", "--no-progress"]) == 0
+    df = pd.read_csv(out)
+    assert tuple(df.columns) == ("cache",) + COLUMNS and set(df["cache"]) == set(paths)
+
+
+def test_command_refuses_bad_arguments(cache, tmp_path, capsys):
+    out = str(tmp_path / "r.csv")
+    assert benchmark_main([str(tmp_path / "missing.npz"), "--out", out]) == 1
+    assert "missing.npz" in capsys.readouterr().err
+    assert benchmark_main(["--out", out, "--experiments", "main,tables"]) == 1
+    assert "unknown experiments ['tables']" in capsys.readouterr().err
+    both = [str(cache.save(tmp_path / "c.npz")), "--simulated", "default", "--out", out]
+    with pytest.raises(SystemExit): benchmark_main(both)
+    with pytest.raises(SystemExit): benchmark_main(["--out", out, "--permutations", "0"])
+    assert benchmark_main(["--out", out, "--simulated", "large"]) == 1
+
+
+def test_all_experiments_on_a_1000_image_cache(tmp_path, capsys):
+    "Every experiment through the command on 1,000 simulated images; the time is printed, not asserted."
+    path = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=400, n_per_shift=200).save(tmp_path / "c1000.npz")
+    out = tmp_path / "results.csv"
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert benchmark_main([str(path), "--out", str(out), "--experiments", "all", "--no-progress"]) == 0
+    seconds = time.perf_counter() - start
+    for name in EXPERIMENTS:
+        written = out if name == "main" else tmp_path / f"results_{name}.csv"
+        df = pd.read_csv(written)
+        assert set(COLUMNS) <= set(df.columns) and len(df)
+    with capsys.disabled():
+        print(f"\n[timing] all experiments, 1,000-image cache, 5 orders: {seconds:.1f} s")

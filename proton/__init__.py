@@ -10,7 +10,8 @@ __all__ = ['BASE_SCORES', 'as_unit_rows', 'zero_shot_logits', 'get_base_score', 
            'split_held_out', 'VLM', 'load_vlm', 'class_prompts', 'prompt_ensemble', 'EmbeddingCache',
            'CorruptCacheError', 'Stream', 'ORDERS', 'make_stream', 'stream_permutations', 'misroute', 'save_detector',
            'load_detector', 'threshold_for_id_recall', 'METHODS', 'evaluate', 'summarize', 'summary_table',
-           'method_scores', 'benchmark_main', 'main_table', 'ablation', 'sensitivity', 'robustness', 'generality']
+           'method_scores', 'benchmark_main', 'main_table', 'ablation', 'sensitivity', 'robustness', 'generality',
+           'PRESETS', 'cross_domain', 'dynamics', 'triage', 'regime', 'figure1']
 
 # %% ../nbs/index.ipynb
 from .scores import BASE_SCORES, as_unit_rows, zero_shot_logits, get_base_score
@@ -20,7 +21,7 @@ from .fusion import Welford, fusion_weight, fuse
 from .detector import Proton, ProtonConfig, ProtonParts
 from .engine import running_variance, scan_chunk  # from here on, Proton.score runs the vectorised engine
 from .metrics import ood_metrics
-from .synth import SyntheticWorld, SHIFTS
+from .synth import SyntheticWorld, SHIFTS, PRESETS
 from .cache import EmbeddingCache, CorruptCacheError
 from .streams import Stream, ORDERS, make_stream, stream_permutations, misroute
 from .baselines import BASELINES, baseline_scores, fit_knn, fit_mahalanobis, split_held_out
@@ -31,6 +32,11 @@ from .exp_ablation import ablation
 from .exp_sensitivity import sensitivity
 from .exp_robustness import robustness
 from .exp_generality import generality
+from .exp_cross_domain import cross_domain
+from .exp_dynamics import dynamics
+from .exp_triage import triage
+from .exp_regime import regime
+from .exp_figure1 import figure1
 from .deploy import save_detector, load_detector, threshold_for_id_recall
 _all_ = ["BASE_SCORES", "as_unit_rows", "zero_shot_logits", "get_base_score", "PrototypeBank", "proto_score", "Welford",
          "fusion_weight", "fuse", "Proton", "ProtonConfig", "ProtonParts", "running_variance", "scan_chunk", "ood_metrics", "SyntheticWorld", "SHIFTS",
@@ -38,4 +44,4 @@ _all_ = ["BASE_SCORES", "as_unit_rows", "zero_shot_logits", "get_base_score", "P
          "prompt_ensemble", "EmbeddingCache", "CorruptCacheError", "Stream", "ORDERS", "make_stream", "stream_permutations",
          "misroute", "save_detector", "load_detector", "threshold_for_id_recall",
          "METHODS", "evaluate", "summarize", "summary_table", "method_scores", "benchmark_main", "main_table", "ablation",
-         "sensitivity", "robustness", "generality"]
+         "sensitivity", "robustness", "generality", "PRESETS", "cross_domain", "dynamics", "triage", "regime", "figure1"]

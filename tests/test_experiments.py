@@ -1,0 +1,189 @@
+"""Cross-cutting tests of the synthetic presets and of experiments 6-9 and the regime map, on tiny caches."""
+from dataclasses import asdict
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.metrics import f1_score
+
+from proton.benchmark import COLUMNS, evaluate, summarize
+from proton.cache import EmbeddingCache
+from proton.detector import Proton, ProtonConfig
+from proton.exp_cross_domain import REPORTED_COVARIATE_AUROC, DOMAIN_MODELS, cross_domain
+from proton.exp_dynamics import dynamics, prototype_history
+from proton.exp_figure1 import figure1, overlap_coefficient
+from proton.exp_regime import regime
+from proton.exp_triage import TRIAGE_CLASSIFIERS, triage
+from proton.synth import PRESETS, SHIFTS, SyntheticWorld
+
+
+def tiny_cache(preset="default", seed=0, n_id=60, n_per_shift=30, **knobs):
+    return EmbeddingCache.from_world(SyntheticWorld.preset(preset, **knobs), n_id=n_id, n_per_shift=n_per_shift, seed=seed)
+
+
+# presets
+
+def test_default_preset_is_the_dataclass_defaults():
+    assert asdict(SyntheticWorld.preset("default")) == asdict(SyntheticWorld())
+    assert asdict(SyntheticWorld.preset("default", seed=4)) == asdict(SyntheticWorld(seed=4))
+
+
+def test_presets_cover_every_knob_and_the_paper_domains():
+    knobs = {k for k in asdict(SyntheticWorld()) if k != "seed"}
+    assert set(PRESETS) >= {"default", "ophthalmology", "radiology", "pathology"}
+    for name, values in PRESETS.items(): assert set(values) == knobs, name
+    assert set(DOMAIN_MODELS) == set(REPORTED_COVARIATE_AUROC) == set(PRESETS) - {"default"}
+
+
+def test_preset_unknown_name_and_knob():
+    with pytest.raises(ValueError, match="unknown preset 'cardiology'"): SyntheticWorld.preset("cardiology")
+    with pytest.raises(ValueError, match=r"unknown knobs \['temprature'\]"): SyntheticWorld.preset("radiology", temprature=0.1)
+
+
+def test_preset_overrides_do_not_leak():
+    w = SyntheticWorld.preset("ophthalmology", cov_shift=0.0)
+    assert w.cov_shift == 0.0 and PRESETS["ophthalmology"]["cov_shift"] != 0.0
+    assert SyntheticWorld.preset("ophthalmology").cov_shift == PRESETS["ophthalmology"]["cov_shift"]
+
+
+@pytest.mark.parametrize("name", ["ophthalmology", "radiology", "pathology"])
+def test_domain_presets_blind_mcm_and_help_proton_on_covariate(name):
+    cache = tiny_cache(name, n_id=200, n_per_shift=100)
+    s = summarize(evaluate(cache, ["mcm", "proton"], shifts="covariate", n_permutations=2, progress=False)).set_index("method")
+    assert s.loc["mcm", "auroc_mean"] < 0.55
+    assert s.loc["proton", "delta_auroc"] > 0.05
+
+
+# experiment 6: cross-domain
+
+def test_cross_domain_columns_rows_and_determinism():
+    caches = {"a": tiny_cache("radiology"), "b": tiny_cache("pathology", seed=1)}
+    df = cross_domain(caches, n_permutations=2, progress=False)
+    assert list(df.columns) == ["domain"] + list(COLUMNS)
+    assert len(df) == 2 * 2 * 3 * 2 and set(df.domain) == {"a", "b"}
+    assert df.auroc.between(0, 1).all() and df.fpr95.between(0, 1).all()
+    pd.testing.assert_frame_equal(df, cross_domain(caches, n_permutations=2, progress=False))
+    other = cross_domain(caches, n_permutations=2, seed=7, progress=False)
+    assert not np.allclose(df.query("method == 'proton'").auroc, other.query("method == 'proton'").auroc)
+
+
+def test_cross_domain_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-empty dict"): cross_domain([tiny_cache()])
+    with pytest.raises(TypeError, match="EmbeddingCache"): cross_domain({"x": "cache.npz"})
+
+
+# experiment 7: dynamics
+
+def test_prototype_history_matches_a_step_by_step_replay():
+    world = SyntheticWorld(seed=2)
+    X = torch.cat([world.sample("id", 50, seed=3)[0], world.sample("far", 20, seed=3)[0]])
+    X = X[torch.randperm(len(X), generator=torch.Generator().manual_seed(1))]
+    config = ProtonConfig(bank_size=6, k_min=2)
+    det, steps = Proton(world.text_embeddings(), config), []
+    for x in X:
+        det.score(x[None]); steps.append(det.bank.prototypes.clone())
+    parts = Proton(world.text_embeddings(), config).score(X, return_parts=True)
+    history, received = prototype_history(X, parts.predicted, parts.enqueued, world.n_classes, config.bank_size)
+    torch.testing.assert_close(history, torch.stack(steps), atol=1e-5, rtol=0)
+    assert received.max() > config.bank_size
+
+
+def test_dynamics_columns_ranges_and_determinism():
+    cache = tiny_cache()
+    df = dynamics(cache, seed=3)
+    assert list(df.columns) == ["shift", "t", "kind", "class", "received", "updated", "cosine_to_final", "drift", "alpha", "calibrated"]
+    assert len(df) == 3 * 90 * cache.n_classes and list(df["shift"].unique()) == list(SHIFTS[1:])
+    assert df.cosine_to_final.dropna().between(-1 - 1e-6, 1 + 1e-6).all()
+    assert np.allclose(df[df.t == df.t.max()].cosine_to_final, 1, atol=1e-5)
+    assert df.alpha[df.calibrated].between(0.3, 0.7).all() and (df.alpha[~df.calibrated] == 1).all()
+    assert df.drift[~df.updated].isna().all()
+    pd.testing.assert_frame_equal(df, dynamics(cache, seed=3))
+    assert not dynamics(cache, seed=4).t.equals(df.t) or not dynamics(cache, seed=4).alpha.equals(df.alpha)
+
+
+def test_dynamics_burst_order_puts_the_ood_images_in_the_middle():
+    df = dynamics(tiny_cache(), shifts="covariate", order="burst").drop_duplicates("t")
+    ood_t = df.t[df.kind != "id"]
+    assert ood_t.min() == 30 and ood_t.max() == 59  # half of the 60 ID images, then the 30 covariate ones
+
+
+# experiment 8: triage
+
+def test_triage_is_well_above_chance_on_an_easy_world():
+    easy = tiny_cache(cov_shift=4.0, spread=0.3, n_id=90, n_per_shift=45)
+    for classifier in TRIAGE_CLASSIFIERS:
+        df = triage(easy, classifier, seed=2)
+        assert f1_score(df["shift"], df.predicted, average="macro") > 0.6, classifier
+
+
+def test_triage_columns_determinism_and_ablation():
+    cache = tiny_cache("ophthalmology")
+    df = triage(cache, seed=1)
+    assert list(df.columns) == ["row", "t", "shift", "base", "proto", "predicted"]
+    assert set(df["shift"]) == set(SHIFTS[1:]) and set(df.predicted) <= set(SHIFTS[1:])
+    assert (cache.shift[df.row] == df["shift"]).all() and df[["base", "proto"]].notna().all().all()
+    pd.testing.assert_frame_equal(df, triage(cache, seed=1))
+    assert not triage(cache, seed=2).row.equals(df.row)
+    base_only = triage(cache, features="base", seed=1)
+    assert base_only[["row", "base", "proto"]].equals(df[["row", "base", "proto"]])  # same stream, fewer features
+
+
+def test_triage_rejects_bad_input():
+    cache = tiny_cache()
+    with pytest.raises(ValueError, match="unknown classifier"): triage(cache, "forest")
+    with pytest.raises(ValueError, match="features must be"): triage(cache, features=())
+    with pytest.raises(ValueError, match="at least two OOD shifts"): triage(cache.subset(np.isin(cache.shift, ["id", "semantic"])))
+
+
+# experiment 9: figure 1
+
+def test_overlap_coefficient_properties():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=500)
+    assert overlap_coefficient(x, x) == pytest.approx(1.0)
+    assert overlap_coefficient(x, x + 100) == 0.0
+    assert overlap_coefficient(x, x + 2) < overlap_coefficient(x, x + 1) < overlap_coefficient(x, x + 0.2)
+    assert overlap_coefficient(x, rng.normal(size=300)) == pytest.approx(overlap_coefficient(rng.normal(size=300), x), abs=0.2)
+    with pytest.raises(ValueError, match="non-empty"): overlap_coefficient([], x)
+    with pytest.raises(ValueError, match="bins"): overlap_coefficient(x, x, bins=0)
+
+
+def test_figure1_tables_ranges_and_determinism():
+    cache = tiny_cache("radiology")
+    f = figure1(cache, n_tsne=70, perplexity=8, seed=2)
+    assert list(f.summary["shift"]) == list(SHIFTS[1:])
+    assert f.summary[["overlap", "caught_by_mcm", "caught_by_proto"]].stack().between(0, 1).all()
+    assert (f.summary.n_id == 60).all() and (f.summary.n_ood == 30).all()
+    assert len(f.tsne) == 70 and set(f.tsne.kind) == {"id", "covariate"} and np.isfinite(f.tsne[["x", "y"]]).all().all()
+    g = figure1(cache, n_tsne=70, perplexity=8, seed=2)
+    for a, b in zip(f, g): pd.testing.assert_frame_equal(a, b)
+
+
+def test_figure1_shows_the_blind_spot_on_a_domain_preset():
+    f = figure1(tiny_cache("radiology", n_id=150, n_per_shift=75), shifts="covariate", n_tsne=60, perplexity=10)
+    cov = f.summary.set_index("shift").loc["covariate"]
+    assert cov.overlap > 0.5 and cov.caught_by_proto > cov.caught_by_mcm + 0.3
+
+
+# the regime map
+
+def test_regime_columns_determinism_and_mechanism():
+    kw = dict(cov_shifts=(0.0, 4.0), class_strengths=(0.3,), n_id=80, n_per_shift=40, n_permutations=2, progress=False)
+    df = regime(**kw)
+    assert list(df.columns) == list(COLUMNS) + ["cov_shift", "class_strength"]
+    assert len(df) == 2 * 2 * 2 and set(df["shift"]) == {"covariate"}
+    pd.testing.assert_frame_equal(df, regime(**kw))
+    gain = summarize(df).query("method == 'proton'").set_index("cov_shift").delta_auroc
+    assert gain.loc[4.0] > gain.loc[0.0] + 0.1
+
+
+def test_regime_gain_turns_negative_when_mcm_is_informative_and_nothing_moved():
+    df = regime(SyntheticWorld(cov_confidence=0.8), cov_shifts=(0.0,), class_strengths=(0.4,), n_id=150, n_per_shift=75,
+                n_permutations=2, progress=False)
+    assert summarize(df).query("method == 'proton'").delta_auroc.item() < 0
+
+
+def test_regime_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-empty"): regime(cov_shifts=(), progress=False)
+    with pytest.raises(TypeError, match="SyntheticWorld"): regime(world="ophthalmology", progress=False)

@@ -238,21 +238,21 @@ EmbeddingCache.save = _save
 # %% ../nbs/20_cache.ipynb
 def _read_npz(path:Path):
     "Every array of the archive at `path`, read without pickle; `CorruptCacheError` on any failure."
-    try: data = np.load(path, allow_pickle=False)
-    except FileNotFoundError: raise
-    except Exception as e: raise CorruptCacheError(f"{path}: not a readable .npz archive, the file is truncated or corrupt ({e})") from e
-    if not isinstance(data, np.lib.npyio.NpzFile): raise CorruptCacheError(f"{path}: holds a single .npy array, not a PROTON cache archive")
-    arrays = {}
-    with data:
-        for key in data.files:
-            try: arrays[key] = data[key]
-            except ValueError as e:
-                if "allow_pickle" in str(e): raise CorruptCacheError(f"{path}: entry {key!r} is an object array, which only pickle could load; refused") from e
-                raise CorruptCacheError(f"{path}: entry {key!r} is corrupt ({e})") from e
-            except zipfile.BadZipFile as e:
-                kind = "checksum mismatch" if "CRC" in str(e) else "corrupt archive"
-                raise CorruptCacheError(f"{path}: {kind} in entry {key!r}, the file is damaged ({e})") from e
-            except Exception as e: raise CorruptCacheError(f"{path}: entry {key!r} cannot be read, the file is truncated or corrupt ({e})") from e
+    with open(path, "rb") as f:  # our own handle, closed even when numpy fails to open the archive
+        try: data = np.load(f, allow_pickle=False)
+        except Exception as e: raise CorruptCacheError(f"{path}: not a readable .npz archive, the file is truncated or corrupt ({e})") from e
+        if not isinstance(data, np.lib.npyio.NpzFile): raise CorruptCacheError(f"{path}: holds a single .npy array, not a PROTON cache archive")
+        arrays = {}
+        with data:
+            for key in data.files:
+                try: arrays[key] = data[key]
+                except ValueError as e:
+                    if "allow_pickle" in str(e): raise CorruptCacheError(f"{path}: entry {key!r} is an object array, which only pickle could load; refused") from e
+                    raise CorruptCacheError(f"{path}: entry {key!r} is corrupt ({e})") from e
+                except zipfile.BadZipFile as e:
+                    kind = "checksum mismatch" if "CRC" in str(e) else "corrupt archive"
+                    raise CorruptCacheError(f"{path}: {kind} in entry {key!r}, the file is damaged ({e})") from e
+                except Exception as e: raise CorruptCacheError(f"{path}: entry {key!r} cannot be read, the file is truncated or corrupt ({e})") from e
     return arrays
 
 # %% ../nbs/20_cache.ipynb

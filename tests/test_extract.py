@@ -1,0 +1,388 @@
+"""Extraction from a prepared folder to an embedding cache: labels, prompts, shards, resuming after a kill (simulated and real), corruption, errors.
+
+Every test runs the real code path offline: real image files (photographs bundled with scikit-image) in the data scripts'
+layout, decoded by DataLoader workers and encoded by an open_clip ViT-S/32 with random weights.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from skimage import data as skdata
+
+import proton.extract as ex
+from proton.cache import EmbeddingCache
+from proton.extract import extract, extract_main, read_prepared, shard_path
+from proton.vlm import load_vlm
+
+MODEL = "open_clip:ViT-S-32/none"  # the smallest open_clip ViT at 224 px, with random weights (seed 0)
+CLASSES = ["normal", "diabetic_retinopathy"]
+NAMES = ["normal", "diabetic retinopathy"]
+IMAGES = {  # relative path -> image; PNG and JPEG, colour, grey and RGBA, one upper-case suffix as Imagenette has
+    "id/normal/retina.png": skdata.retina, "id/normal/moon.png": skdata.moon, "id/normal/coins.png": skdata.coins,
+    "id/diabetic_retinopathy/microaneurysms.png": skdata.microaneurysms,
+    "id/diabetic_retinopathy/ihc.jpg": skdata.immunohistochemistry,
+    "semantic/glaucoma/camera.png": skdata.camera, "semantic/glaucoma/logo.png": skdata.logo,
+    "covariate/uwf/hubble.jpg": skdata.hubble_deep_field,
+    "far/tench/astronaut.jpg": skdata.astronaut, "far/tench/chelsea.jpg": skdata.chelsea,
+    "far/church/coffee.jpg": skdata.coffee, "far/church/rocket.JPEG": skdata.rocket,
+}
+N = len(IMAGES)
+RUN = dict(batch_size=2, shard_size=2, num_workers=1, progress=False)  # 6 shards; the same batches in every test
+EPOCH = "1767225600"  # SOURCE_DATE_EPOCH: a fixed creation time makes caches of separate runs comparable byte for byte
+
+
+def make_prepared(root, split=True, classes=True):
+    "A prepared folder of the 12 bundled images, at most 64 px, with split.csv and classes.json as the data scripts write them."
+    root = Path(root)
+    rows = ["file,shift,label,source"]
+    for rel, image in IMAGES.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        im = Image.fromarray(image())
+        im.thumbnail((64, 64))
+        im.save(path, format="JPEG" if path.suffix.lower() in (".jpg", ".jpeg") else "PNG")
+        rows.append(f"{rel},{rel.split('/')[0]},{rel.split('/')[1]},skimage")
+    if split: (root / "split.csv").write_text("\n".join(rows) + "\n")
+    if classes:
+        (root / "classes.json").write_text(json.dumps(dict(benchmark="toy", classes=CLASSES, class_names=NAMES,
+                                                           prompts={c: [n] for c, n in zip(CLASSES, NAMES)})))
+    return root
+
+
+def expected_rows():
+    "Sorted files with the shift and label each must get, derived from the paths alone."
+    files = sorted(IMAGES)
+    shift = [f.split("/")[0] for f in files]
+    labels = [CLASSES.index(f.split("/")[1]) if s == "id" else -1 for f, s in zip(files, shift)]
+    return files, shift, labels
+
+
+def same_cache(a, b):
+    "Whether two caches hold bitwise identical arrays and the same metadata."
+    return (a.image_embeddings.tobytes() == b.image_embeddings.tobytes()
+            and a.text_embeddings.tobytes() == b.text_embeddings.tobytes()
+            and a.content_hash() == b.content_hash())
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return load_vlm(MODEL)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_prepared(tmp_path_factory.mktemp("prepared") / "toy")
+
+
+@pytest.fixture(scope="module")
+def reference(clip, data, tmp_path_factory):
+    "The uninterrupted run: (its cache file, the cache)."
+    out = tmp_path_factory.mktemp("reference") / "cache.npz"
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("SOURCE_DATE_EPOCH", EPOCH)
+        cache = extract(clip, data, out=out, **RUN)
+    return out, cache
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    "Names of the shards written from now on (the real writer still writes them)."
+    written, real = [], ex._write_shard
+    def write(path, arrays, header):
+        real(path, arrays, header)
+        written.append(path.name)
+    monkeypatch.setattr(ex, "_write_shard", write)
+    return written
+
+
+# --- the cache -------------------------------------------------------------------------------------------------------
+
+def test_cache_has_the_folders_labels_shifts_and_sources(clip, data, reference):
+    out, cache = reference
+    loaded = EmbeddingCache.load(out)
+    files, shift, labels = expected_rows()
+    assert loaded.source == tuple(files)
+    assert loaded.shift.tolist() == shift and loaded.labels.tolist() == labels
+    assert loaded.class_names == tuple(NAMES) and loaded.temperature == clip.temperature
+    assert loaded.image_embeddings.shape == (N, clip.dim) and loaded.image_embeddings.dtype == np.float32
+    assert loaded.local_embeddings is None
+    assert same_cache(loaded, cache)
+    assert not Path(f"{out}.shards").exists()
+
+
+def test_embeddings_are_the_models_own(clip, data, reference):
+    "Through files, workers and shards, every row is what encode_images gives for that image."
+    _, cache = reference
+    direct = clip.encode_images([Image.open(data / f) for f in cache.source])
+    np.testing.assert_allclose(cache.image_embeddings, direct.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cache.text_embeddings, clip.encode_text(NAMES).numpy(), atol=1e-5, rtol=0)
+    assert (cache.image_embeddings @ cache.image_embeddings.T - np.eye(N)).max() < 0.9999  # distinct images, distinct rows
+
+
+def test_metadata_records_provenance(clip, reference):
+    from proton import __version__
+    m = reference[1].metadata
+    assert m["model"] == MODEL and m["checkpoint"] is None and m["n_images"] == N
+    assert m["prompts"] == {n: [n] for n in NAMES} and m["prompt_source"] == "classes.json"
+    assert m["library_version"] == __version__ and m["created"] == "2026-01-01T00:00:00+00:00"
+    assert "Resize(size=224" in m["preprocessing"] and m["image_size"] == [224, 224]
+    assert m["images_per_shift"] == {"covariate": 1, "far": 4, "id": 5, "semantic": 2}
+    assert m["dataset"] == "toy" and m["device"] == "cpu" and m["amp"] == "none"
+
+
+def test_checkpoint_name_and_hash_are_recorded(clip, data, tmp_path):
+    weights = tmp_path / "weights.safetensors"
+    weights.write_bytes(b"not really weights, but a file with a hash")
+    cache = extract(clip, data, checkpoint=weights, **RUN)
+    import hashlib
+    assert cache.metadata["checkpoint"] == "weights.safetensors"
+    assert cache.metadata["checkpoint_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+def test_local_embeddings(clip, data):
+    cache = extract(clip, data, local=True, **RUN)
+    files = list(cache.source)
+    assert cache.local_embeddings.shape == (N, 49, clip.dim)
+    direct = clip.encode_local([Image.open(data / f) for f in files[:3]])
+    np.testing.assert_allclose(cache.local_embeddings[:3], direct.numpy(), atol=1e-5, rtol=0)
+
+
+def test_folder_without_split_and_classes(clip, tmp_path):
+    root = make_prepared(tmp_path / "bare", split=False, classes=False)
+    folder = read_prepared(root)
+    assert folder.classes == ("diabetic_retinopathy", "normal") and set(folder.sources) == {""}
+    cache = extract(clip, root, **RUN)
+    assert cache.class_names == ("diabetic_retinopathy", "normal")
+    assert [cache.class_names[y] for y, s in zip(cache.labels, cache.shift) if s == "id"] == \
+           [f.split("/")[1] for f in cache.source if f.startswith("id/")]
+
+
+# --- prompts ---------------------------------------------------------------------------------------------------------
+
+def test_prompt_ensemble_from_a_json_file(clip, data, tmp_path):
+    prompts = {"diabetic retinopathy": ["retinopathy", "a retina with lesions"], "normal": ["a healthy retina"]}
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(prompts))
+    cache = extract(clip, data, prompts=path, **RUN)
+    E = clip.encode_text(prompts["diabetic retinopathy"])
+    mean = torch.nn.functional.normalize(E.mean(0), dim=0)
+    np.testing.assert_allclose(cache.text_embeddings[1], mean.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cache.text_embeddings[0], clip.encode_text(["a healthy retina"])[0].numpy(), atol=1e-5, rtol=0)
+    assert cache.metadata["prompt_source"] == "prompts.json"
+    assert list(cache.metadata["prompts"]) == NAMES  # label order, whatever the file's order
+
+
+def test_prompts_on_the_command_line(data, tmp_path, capsys):
+    out = tmp_path / "c.npz"
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(out), "--prompts", "healthy, diseased",
+                         "--workers", "0", "--no-progress"]) == 0
+    assert EmbeddingCache.load(out).metadata["prompts"] == {"normal": ["healthy"], "diabetic retinopathy": ["diseased"]}
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("# a comment\nfirst\nsecond\n")
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(out), "--prompts", str(lines),
+                         "--workers", "0", "--no-progress"]) == 0
+    assert EmbeddingCache.load(out).metadata["prompts"] == {"normal": ["first"], "diabetic retinopathy": ["second"]}
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(out), "--prompts", "only one"]) == 1
+    assert "got 1 prompts for 2 classes" in capsys.readouterr().err
+
+
+# --- resuming --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("killed_after", [1, 4])
+def test_resume_after_a_failure_gives_the_identical_cache(clip, data, reference, tmp_path, monkeypatch, killed_after):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    out, written, real = tmp_path / "cache.npz", [], ex._write_shard
+
+    def dying(path, arrays, header):
+        if len(written) == killed_after: raise KeyboardInterrupt("simulated kill")
+        real(path, arrays, header)
+        written.append(path.name)
+
+    monkeypatch.setattr(ex, "_write_shard", dying)
+    with pytest.raises(KeyboardInterrupt): extract(clip, data, out=out, **RUN)
+    assert not out.exists()
+    assert sorted(p.name for p in Path(f"{out}.shards").iterdir()) == [f"shard-{k:05d}.npz" for k in range(killed_after)]
+    written.clear()
+    monkeypatch.setattr(ex, "_write_shard", lambda *a: (real(*a), written.append(a[0].name)))
+    resumed = extract(clip, data, out=out, **RUN)
+    assert written == [f"shard-{k:05d}.npz" for k in range(killed_after, N // 2)]  # only the missing shards
+    assert same_cache(resumed, reference[1]) and same_cache(EmbeddingCache.load(out), reference[1])
+
+
+def test_sigkilled_process_resumes_to_the_identical_cache(data, reference, tmp_path):
+    "A real `proton-ood extract` process, SIGKILLed once its first shard is on disk, then run again."
+    out = tmp_path / "killed.npz"
+    shards = Path(f"{out}.shards")
+    command = [sys.executable, "-c", "import sys; from proton.cli import main; sys.exit(main())", "extract",
+               "--model", MODEL, "--data", str(data), "--out", str(out), "--batch-size", "2", "--shard-size", "2",
+               "--workers", "1", "--no-progress", "--keep-shards"]
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not shard_path(shards, 0).exists():
+            assert proc.poll() is None, f"the run ended before writing a shard: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no shard after 300 s"
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)  # the process group we started: the run and its DataLoader worker
+    finally:
+        proc.wait(timeout=60)
+        proc.stdout.close(); proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    done = sorted(shards.glob("shard-*.npz"))
+    assert not out.exists() and 1 <= len(done) < N // 2, f"the kill did not land mid-run: {[p.name for p in done]}"
+    first = shard_path(shards, 0).stat().st_ino
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert shard_path(shards, 0).stat().st_ino == first  # reused, not rewritten
+    assert not list(shards.glob(".*.tmp"))
+    assert same_cache(EmbeddingCache.load(out), reference[1])
+
+
+def test_corrupt_and_truncated_shards_are_recomputed(clip, data, reference, tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    out = tmp_path / "cache.npz"
+    extract(clip, data, out=out, keep_shards=True, **RUN)
+    shards = Path(f"{out}.shards")
+    damaged, truncated = shard_path(shards, 1), shard_path(shards, 4)
+    raw = bytearray(damaged.read_bytes())
+    at = raw.index(np.load(damaged)["image_embeddings"].tobytes()) + 100
+    raw[at] ^= 0x01  # a single flipped bit in the stored embeddings
+    damaged.write_bytes(raw)
+    truncated.write_bytes(truncated.read_bytes()[:-300])
+    (shards / ".shard-00005.npz.0123456789ab.tmp").write_bytes(b"half a shard")  # left by a killed write
+    counted.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        repaired = extract(clip, data, out=out, **RUN)
+    assert sorted(counted) == ["shard-00001.npz", "shard-00004.npz"]
+    messages = sorted(str(w.message) for w in caught if issubclass(w.category, UserWarning))
+    assert len(messages) == 2 and "recomputing shard 1" in messages[0] and "recomputing shard 4" in messages[1]
+    assert "checksum mismatch" in messages[0]
+    assert same_cache(repaired, reference[1])
+    assert not shards.exists()
+
+
+def test_shards_of_another_run_are_not_reused(clip, data, tmp_path, counted):
+    out = tmp_path / "cache.npz"
+    extract(clip, data, out=out, keep_shards=True, **RUN)
+    counted.clear()
+    with pytest.warns(UserWarning, match="belongs to another run"):
+        cache = extract(clip, data, out=out, local=True, keep_shards=True, **RUN)  # local features: another fingerprint
+    assert len(counted) == N // 2 and cache.local_embeddings is not None
+    counted.clear()
+    extract(clip, data, out=out, local=True, resume=False, **RUN)
+    assert len(counted) == N // 2  # --no-resume recomputes everything
+
+
+def test_touched_image_invalidates_shards(clip, data, tmp_path, counted):
+    out = tmp_path / "cache.npz"
+    extract(clip, data, out=out, keep_shards=True, **RUN)
+    counted.clear()
+    image = data / sorted(IMAGES)[0]
+    stat = image.stat()
+    try:
+        os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        with pytest.warns(UserWarning):
+            extract(clip, data, out=out, **RUN)
+    finally: os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert len(counted) == N // 2
+
+
+# --- errors ----------------------------------------------------------------------------------------------------------
+
+def test_missing_class_folder(tmp_path):
+    root = make_prepared(tmp_path / "d", split=False)
+    info = json.loads((root / "classes.json").read_text())
+    (root / "classes.json").write_text(json.dumps({**info, "classes": CLASSES + ["glaucoma"], "class_names": NAMES + ["glaucoma"]}))
+    with pytest.raises(ValueError, match="missing class folder: classes.json lists class 'glaucoma'"): read_prepared(root)
+
+
+def test_empty_and_absent_folders(clip, tmp_path):
+    (tmp_path / "empty" / "id").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no images in"): extract(clip, tmp_path / "empty", progress=False)
+    with pytest.raises(FileNotFoundError, match="no prepared folder"): extract(clip, tmp_path / "absent", progress=False)
+
+
+def test_only_ood_images(tmp_path):
+    root = make_prepared(tmp_path / "d", split=False, classes=False)
+    import shutil
+    shutil.rmtree(root / "id")
+    with pytest.raises(ValueError, match="no ID images"): read_prepared(root)
+
+
+def test_split_file_must_match_the_disk(tmp_path):
+    root = make_prepared(tmp_path / "d")
+    (root / "far/tench/astronaut.jpg").rename(root / "far/church/astronaut.jpg")
+    with pytest.raises(FileNotFoundError, match="not on disk"): read_prepared(root)
+    csv = (root / "split.csv").read_text().replace("far/tench/astronaut.jpg,far,tench", "far/church/astronaut.jpg,far,tench")
+    (root / "split.csv").write_text(csv)
+    with pytest.raises(ValueError, match="is not in far/tench/"): read_prepared(root)
+
+
+def test_unknown_model(data, tmp_path, capsys):
+    assert extract_main(["--model", "biomedclip", "--data", str(data), "--out", str(tmp_path / "c.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "unknown VLM 'biomedclip'" in err and "flair" in err
+    with pytest.raises(ValueError, match="unknown VLM"): extract("biomedclip", data, progress=False)
+    assert not (tmp_path / "c.npz").exists()
+
+
+def test_command_line_errors(data, tmp_path, capsys):
+    out = str(tmp_path / "c.npz")
+    assert extract_main(["--model", MODEL, "--data", str(tmp_path / "nowhere"), "--out", out]) == 1
+    assert "no prepared folder" in capsys.readouterr().err
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--tokenizer", str(tmp_path)]) == 1
+    assert "--tokenizer is for flair and unimed-clip" in capsys.readouterr().err
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--prompts", str(tmp_path / "p.json")]) == 1
+    assert "no prompt file" in capsys.readouterr().err
+    with pytest.raises(SystemExit): extract_main(["--data", str(data), "--out", out])  # --model is required
+    if not torch.cuda.is_available():
+        assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--device", "cuda"]) == 1
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_unreadable_image_is_named(clip, tmp_path):
+    root = make_prepared(tmp_path / "d", split=False)
+    (root / "far/tench/chelsea.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a real jpeg")
+    with pytest.raises(ValueError, match="cannot read image .*chelsea.jpg"): extract(clip, root, **RUN)
+
+
+def test_bad_arguments(clip, data):
+    with pytest.raises(ValueError, match="batch_size must be an integer of at least 1"): extract(clip, data, batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="shard_size"): extract(clip, data, shard_size=1.5, progress=False)
+    with pytest.raises(ValueError, match="the model runs on cpu"): extract(clip, data, device="cuda", progress=False)
+
+
+def test_preprocessing_travels_without_the_weights(clip, data):
+    import pickle
+    pre = ex._Preprocess(clip)
+    image = Image.open(data / "far/tench/astronaut.jpg")
+    assert torch.equal(pickle.loads(pickle.dumps(pre))(image), clip.preprocess(image))
+    assert clip.model is not None  # the original keeps its model
+    assert len(pickle.dumps(pre)) < 4 * sum(p.numel() for p in clip.model.parameters()) / 50
+
+
+def test_out_of_gpu_memory_advises_a_smaller_batch(data, tmp_path, monkeypatch, capsys):
+    def oom(*args, **kwargs): raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(ex, "extract", oom)
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--batch-size", "512"]) == 1
+    assert "ran out of memory with --batch-size 512" in capsys.readouterr().err
+
+
+def test_dispatched_by_proton_ood(capsys):
+    from proton.cli import main
+    with pytest.raises(SystemExit) as e: main(["extract", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: proton-ood extract") and all(o in out for o in ("--prompts", "--checkpoint", "--tokenizer",
+                                                                                   "--device", "--batch-size", "--workers", "--keep-shards"))

@@ -11,7 +11,7 @@ __all__ = ['BASE_SCORES', 'as_unit_rows', 'zero_shot_logits', 'get_base_score', 
            'CorruptCacheError', 'Stream', 'ORDERS', 'make_stream', 'stream_permutations', 'misroute', 'save_detector',
            'load_detector', 'threshold_for_id_recall', 'METHODS', 'evaluate', 'summarize', 'summary_table',
            'method_scores', 'benchmark_main', 'main_table', 'ablation', 'sensitivity', 'robustness', 'generality',
-           'PRESETS', 'cross_domain', 'dynamics', 'triage', 'regime', 'figure1', 'extract', 'read_prepared']
+           'PRESETS', 'cross_domain', 'dynamics', 'triage', 'regime', 'figure1', 'read_prepared']
 
 # %% ../nbs/index.ipynb
 from .scores import BASE_SCORES, as_unit_rows, zero_shot_logits, get_base_score
@@ -26,7 +26,7 @@ from .cache import EmbeddingCache, CorruptCacheError
 from .streams import Stream, ORDERS, make_stream, stream_permutations, misroute
 from .baselines import BASELINES, baseline_scores, fit_knn, fit_mahalanobis, split_held_out
 from .vlm import VLM, load_vlm, class_prompts, prompt_ensemble
-from .extract import extract, read_prepared
+from .extract import read_prepared  # the function `extract` stays in its module: its name is the module's
 from .benchmark import METHODS, evaluate, summarize, summary_table, method_scores, benchmark_main
 from .exp_main import main_table
 from .exp_ablation import ablation
@@ -45,5 +45,4 @@ _all_ = ["BASE_SCORES", "as_unit_rows", "zero_shot_logits", "get_base_score", "P
          "prompt_ensemble", "EmbeddingCache", "CorruptCacheError", "Stream", "ORDERS", "make_stream", "stream_permutations",
          "misroute", "save_detector", "load_detector", "threshold_for_id_recall",
          "METHODS", "evaluate", "summarize", "summary_table", "method_scores", "benchmark_main", "main_table", "ablation",
-         "sensitivity", "robustness", "generality", "PRESETS", "cross_domain", "dynamics", "triage", "regime", "figure1", "extract",
-         "read_prepared"]
+         "sensitivity", "robustness", "generality", "PRESETS", "cross_domain", "dynamics", "triage", "regime", "figure1", "read_prepared"]

@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import CorruptCacheError, EmbeddingCache, _digest, _fsync_dir, _read_npz
+from .cache import CorruptCacheError, EmbeddingCache, _digest, _read_npz, write_npz_atomic
 from .synth import SHIFTS
 from .vlm import VLM, load_vlm, prompt_ensemble
 
@@ -203,18 +202,8 @@ def shard_path(shards:Path, # the shard folder
 def _write_shard(path:Path, # where the shard goes
                  arrays:dict, # name -> numpy array
                  header:dict): # which run and range the shard belongs to
-    "Write a shard atomically: temporary file, fsync, rename."
-    text = json.dumps(header, sort_keys=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            np.savez(f, header=np.array(text), sha256=np.array(_digest(arrays, text)), **arrays)
-            f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    "Write a shard atomically, with its digest, as caches are written."
+    write_npz_atomic(path, arrays, json.dumps(header, sort_keys=True))
 
 # %% ../nbs/43_extract.ipynb
 class StaleShardError(ValueError):

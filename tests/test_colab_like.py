@@ -19,7 +19,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import yaml
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
@@ -32,15 +31,9 @@ pytestmark = [pytest.mark.colab,
               pytest.mark.skipif(os.environ.get("PROTON_COLAB_TEST") != "1", reason="opt-in: set PROTON_COLAB_TEST=1")]
 
 
-def toc_files(node):
-    "Every file named in a `_toc.yml` tree, in order."
-    if isinstance(node, list): return [f for child in node for f in toc_files(child)]
-    if not isinstance(node, dict): return []
-    own = [node[k] for k in ("root", "file") if k in node]
-    return own + [f for k in ("parts", "chapters", "sections") for f in toc_files(node.get(k, []))]
+from toc import TOC_FILES
 
-
-NOTEBOOKS = list(dict.fromkeys(toc_files(yaml.safe_load((ROOT / "_toc.yml").read_text()))))
+NOTEBOOKS = TOC_FILES
 
 # Nothing from this machine's user site or PYTHONPATH may leak into the "fresh" environment.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")} | {"PYTHONNOUSERSITE": "1"}

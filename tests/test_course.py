@@ -4,22 +4,12 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
+from toc import TOC_FILES
 
 ROOT = Path(__file__).parents[1]
-TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
 
 
-def toc_files(node=TOC):
-    "Every file named in `_toc.yml`, in order."
-    out = [node["file"]] if isinstance(node, dict) and "file" in node else []
-    if isinstance(node, dict): node = [node.get("root") and {"file": node["root"]}] + node.get("parts", []) + node.get("chapters", []) + node.get("sections", [])
-    for child in node if isinstance(node, list) else []:
-        if child: out += toc_files(child)
-    return list(dict.fromkeys(out))
-
-
-CHAPTERS = [f for f in toc_files() if f not in ("nbs/index",) and not f.endswith("references")]
+CHAPTERS = [f for f in TOC_FILES if f not in ("nbs/index",) and not f.endswith("references")]
 
 
 def cells(name):
@@ -27,7 +17,7 @@ def cells(name):
 
 
 def test_toc_and_notebooks_agree():
-    listed = set(toc_files())
+    listed = set(TOC_FILES)
     assert all((ROOT / f"{f}.ipynb").exists() for f in listed), [f for f in listed if not (ROOT / f"{f}.ipynb").exists()]
     orphans = [p.stem for p in (ROOT / "nbs").glob("*.ipynb") if f"nbs/{p.stem}" not in listed and not p.stem.startswith("_")]
     assert not orphans, f"notebooks missing from _toc.yml: {orphans}"

@@ -27,8 +27,8 @@ def stream(n, n_classes, dim=512, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     T = torch.nn.functional.normalize(torch.randn(n_classes, dim, generator=g), dim=1)
     X = torch.empty(n, dim)
-    for a in range(0, n, 1 << 18):  # in pieces, to keep the generator's temporaries small
-        b = min(n, a + (1 << 18))
+    for a in range(0, n, 1 << 14):  # in small pieces, so that building the input adds little to its own size
+        b = min(n, a + (1 << 14))
         cls = torch.randint(n_classes, (b - a,), generator=g)
         X[a:b] = T[cls] + 0.5 * torch.randn(b - a, dim, generator=g) / dim ** 0.5
     return T.to(device), X.to(device)

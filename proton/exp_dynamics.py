@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .bank import PrototypeBank
 from .cache import EmbeddingCache
 from .detector import Proton, ProtonConfig
-from .engine import queue_lengths, queue_sequences, window_sums
+from .engine import arrivals_by_class, prefix_sums, queue_changes, queue_lengths
 from .scores import as_unit_rows
 from .streams import make_stream
 
@@ -27,13 +26,14 @@ def prototype_history(image_embeddings:Tensor, # (N, d) L2-normalised embeddings
                       n_classes:int, # C, number of ID classes
                       bank_size:int): # M, capacity of each queue
     "(N, C, d) prototypes after each image, starting from an empty bank, and (N, C) images each class has received."
-    E = image_embeddings
-    bank = PrototypeBank(n_classes, E.shape[1], bank_size, E.dtype, E.device)
-    before, after = queue_lengths(bank.counts, predicted, enqueued)
-    Z, starts = queue_sequences(bank, E, predicted, enqueued, before, after)
-    received = before + F.one_hot(predicted, n_classes) * enqueued[:, None]
-    sums = torch.stack([window_sums(Z, starts[c].expand(len(E)), received[:, c], bank_size) for c in range(n_classes)], 1)
-    return F.normalize(sums, dim=-1), received
+    E, empty = image_embeddings, torch.zeros(n_classes, dtype=torch.long, device=image_embeddings.device)
+    before, _ = queue_lengths(empty, predicted, enqueued)
+    grouped, first = arrivals_by_class(predicted, enqueued, n_classes)
+    Src = torch.cat([E, E.new_zeros(1, E.shape[1])])  # the stream's embeddings, then the zero row
+    U = queue_changes(Src, torch.empty_like(E), len(E), bank_size, empty, predicted, enqueued, before, grouped, first)
+    onehot = F.one_hot(predicted, n_classes) * enqueued[:, None]
+    sums = torch.stack([prefix_sums(U * onehot[:, c, None]) + U * onehot[:, c, None] for c in range(n_classes)], 1)
+    return F.normalize(sums, dim=-1), before + onehot
 
 # %% ../nbs/30_dynamics.ipynb
 def _pandas():

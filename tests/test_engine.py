@@ -1,5 +1,8 @@
 """Property-based parity: the vectorised engine against the step-by-step path, over random streams and configurations."""
+import os
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -9,6 +12,7 @@ from proton.scores import as_unit_rows
 from reference import clustered_stream
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+DEVICE = os.environ.get("PROTON_TEST_DEVICE", "cpu")  # PROTON_TEST_DEVICE=cuda runs the parity tests on a GPU
 
 
 def stepwise(det, X):
@@ -55,7 +59,7 @@ def test_vectorised_equals_stepwise(p):
     k_min = 1 + int(p["k_min_frac"] * (p["bank_size"] - 1))
     cfg = ProtonConfig(gamma=p["gamma"], bank_size=p["bank_size"], k_min=k_min, temperature=p["temperature"],
                        base_score=p["base_score"])
-    T, E = torch.tensor(T, dtype=p["dtype"]), torch.tensor(E, dtype=p["dtype"])
+    T, E = torch.tensor(T, dtype=p["dtype"], device=DEVICE), torch.tensor(E, dtype=p["dtype"], device=DEVICE)
     slow, fast = Proton(T, cfg), Proton(T, cfg)
     w = p["warmup"]
     stepwise(slow, E[:w]); stepwise(fast, E[:w])  # a state to continue from, calibrated or not
@@ -92,19 +96,35 @@ def test_calibration_inside_a_chunk_and_heavy_eviction():
 
 
 def test_parity_check_can_fail():
-    "A deliberately wrong engine (window one entry too long) is caught by the same comparison."
+    "A deliberately wrong engine (queues that never evict) is caught by the same comparison."
     T, E = clustered_stream(2, 16, 400, seed=5)
     cfg = ProtonConfig(bank_size=3, k_min=1, temperature=0.2)
     slow, fast = Proton(T, cfg), Proton(T, cfg)
     want = stepwise(slow, E)
-    right = engine.window_sums
+    right = engine.queue_changes
     try:
-        engine.window_sums = lambda Z, starts, j, M: right(Z, starts, j, M + 1)
+        engine.queue_changes = lambda Src, U, base, M, *rest: right(Src, U, base, 10**9, *rest)  # nothing is ever evicted
         got = scan_in_chunks(fast, E, len(E))
     finally:
-        engine.window_sums = right
-    try:
+        engine.queue_changes = right
+    with pytest.raises(AssertionError):
         check_same(got, want, fast, slow, torch.float64)
-    except AssertionError:
-        return
-    raise AssertionError("the parity check did not notice a wrong window")
+
+
+def test_ill_conditioned_similarities_are_recomputed():
+    "Entries that nearly cancel make the Gram expansion lose digits: the engine must notice and recompute."
+    rng = np.random.default_rng(0)
+    e = rng.normal(size=8); e /= np.linalg.norm(e)
+    E = np.stack([e, -e + 1e-3 * rng.normal(size=8), e] * 30, dtype=np.float32)  # one class, queues nearly cancelling
+    cfg = ProtonConfig(bank_size=2, k_min=1, gamma=0.5)
+    slow, fast = Proton(e[None], cfg, dtype=torch.float32), Proton(e[None], cfg, dtype=torch.float32)
+    want = stepwise(slow, E)
+    calls = []
+    right = engine.queue_entries
+    try:
+        engine.queue_entries = lambda *a: calls.append(len(a[6])) or right(*a)
+        got = scan_in_chunks(fast, E, len(E))
+    finally:
+        engine.queue_entries = right
+    assert len(calls) > 1  # the final bank, and at least one recomputation
+    check_same(got, want, fast, slow, torch.float32)

@@ -23,15 +23,16 @@ from proton.scores import as_unit_rows
 
 
 def stream(n, n_classes, dim=512, seed=0, device="cpu"):
-    "Text embeddings and a clustered (n, dim) float32 stream: class centres plus noise, so most images pass the gate."
-    g = torch.Generator().manual_seed(seed)
-    T = torch.nn.functional.normalize(torch.randn(n_classes, dim, generator=g), dim=1)
-    X = torch.empty(n, dim)
-    for a in range(0, n, 1 << 14):  # in small pieces, so that building the input adds little to its own size
-        b = min(n, a + (1 << 14))
-        cls = torch.randint(n_classes, (b - a,), generator=g)
-        X[a:b] = T[cls] + 0.5 * torch.randn(b - a, dim, generator=g) / dim ** 0.5
-    return T.to(device), X.to(device)
+    "Text embeddings and a clustered (n, dim) float32 stream on `device`: class centres plus noise, so most images pass the gate."
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = torch.nn.functional.normalize(torch.randn(n_classes, dim, generator=g, device=device), dim=1)
+    X = torch.empty(n, dim, device=device)
+    piece = 1 << (22 if device == "cuda" else 14)  # in pieces, so that building the input adds little to its own size
+    for a in range(0, n, piece):
+        b = min(n, a + piece)
+        cls = torch.randint(n_classes, (b - a,), generator=g, device=device)
+        X[a:b] = T[cls] + 0.5 * torch.randn(b - a, dim, generator=g, device=device) / dim ** 0.5
+    return T, X
 
 
 def numpy_loop(T, X, cfg):
@@ -84,6 +85,8 @@ def throughput(sizes, classes, slow_max, device, repeat):
                     det = Proton(T, cfg); E = as_unit_rows(x); det._steps(E, *det._classify(E)); sync(device)
                 rows.append(dict(C=C, n=n, impl="step by step", seconds=timed(steps)))
                 if device == "cpu": rows.append(dict(C=C, n=n, impl="numpy loop", seconds=timed(lambda: numpy_loop(T, x, cfg))))
+        del X
+        if device == "cuda": torch.cuda.empty_cache()
     for r in rows: r["samples_per_s"] = r["n"] / r["seconds"]
     return rows
 
@@ -113,6 +116,15 @@ def peak_rss(n):
                 beyond_input_gib=scoring - only_input)
 
 
+def peak_cuda(n):
+    "Peak GPU memory allocated while scoring an n-image stream, beyond the input."
+    T, X = stream(n, 2, device="cuda")
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    Proton(T).score(X); torch.cuda.synchronize()
+    return dict(n=n, input_gib=X.numel() * 4 / 2**30, beyond_input_gib=(torch.cuda.max_memory_allocated() - start) / 2**30)
+
+
 def table(rows):
     "Samples/s per (C, n) and implementation, with speed-ups of the vectorised engine measured in the same run."
     import pandas as pd
@@ -128,20 +140,23 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write all results to this file")
     a = p.parse_args(argv)
-    sizes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000, 1_000_000]
+    sizes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000, 1_000_000] + ([10_000_000] if a.device == "cuda" else [])
     machine = dict(python=platform.python_version(), torch=torch.__version__, cpu=platform.processor() or platform.machine(),
                    cores=os.cpu_count(), threads=torch.get_num_threads(), device=a.device,
                    gpu=torch.cuda.get_device_name() if a.device == "cuda" else None)
     print("machine:", json.dumps(machine))
-    rows = throughput(sizes, [2, 10], slow_max=10_000 if not a.quick else 1_000, device=a.device, repeat=2)
+    slow_max = 1_000 if a.quick or a.device == "cuda" else 10_000  # the per-image paths are slow; on a GPU, slower still
+    rows = throughput(sizes, [2, 10], slow_max=slow_max, device=a.device, repeat=2)
     import pandas as pd
     with pd.option_context("display.float_format", "{:,.1f}".format, "display.width", 200, "display.max_columns", None):
         print("\nthroughput (samples/s; d=512, M=100) and ratios measured in this run:")
         print(table(rows))
     lat = latency(a.device)
     print(f"\nsingle-image latency: median {lat['median_us']:.0f} us, p99 {lat['p99_us']:.0f} us")
-    mem = peak_rss(100_000 if a.quick else 1_000_000) if a.device == "cpu" else None
-    if mem: print(f"\npeak RSS scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['peak_gib_scoring']:.2f} GiB;"
+    n_mem = 100_000 if a.quick else 1_000_000
+    mem = peak_rss(n_mem) if a.device == "cpu" else peak_cuda(10 * n_mem)
+    if a.device == "cuda": print(f"\npeak GPU memory scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['beyond_input_gib']:.2f} GiB beyond the input")
+    else: print(f"\npeak RSS scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['peak_gib_scoring']:.2f} GiB;"
                   f" building the input alone: {mem['peak_gib_input_only']:.2f} GiB; beyond the input: {mem['beyond_input_gib']:.2f} GiB")
     if a.json:
         with open(a.json, "w") as f: json.dump(dict(machine=machine, throughput=rows, latency=lat, memory=mem), f, indent=1)

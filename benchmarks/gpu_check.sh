@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One-shot check on a lent GPU machine (H100/H200, no internet), run from the repository root:
+#   bash benchmarks/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
+# Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_vit_cuda.json, extract_flair_cuda.json.
+# Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine benchmark on CUDA,
+# e) end-to-end time of `proton-ood benchmark --experiments all`, d) extraction throughput (ViT-B/32, then FLAIR).
+# Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step that fails or
+# times out is logged and the next one runs.
+set -u -o pipefail
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+LOG="$OUT/log"
+BUDGET=${BUDGET:-400}  # seconds for the whole script (the brief allows 7 minutes)
+DEV=${DEV:-cuda}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
+
+step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND with a timeout, log its output, never stop the script
+  local name=$1 max=$2; shift 2
+  local left=$(( BUDGET - SECONDS - 15 ))  # 15 s: the kill grace of timeout -k, and the summary
+  local t=$(( max < left ? max : left ))
+  if (( t < 15 )); then echo "=== $name: SKIPPED, ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"; return 0; fi
+  local cmd="$*"
+  echo "=== $name [timeout ${t}s, t=${SECONDS}s, $(date -u +%H:%M:%S)]: ${cmd%%$'\n'*}" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 10 "$t" "$@" 2>&1 | tee -a "$LOG"
+  local rc=$?
+  local note=""; (( rc == 124 || rc == 137 )) && note=" (TIMED OUT)"
+  echo "=== $name: rc=$rc in $(( SECONDS - t0 ))s$note" | tee -a "$LOG"
+  return 0
+}
+
+# wheels of the dependencies the machine lacks; the package itself is imported from the repository root
+step "install wheels" 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+
+# a. the machine
+step "a. GPU" 30 nvidia-smi -L
+step "a. torch" 60 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
+step "a. imports" 60 python3 -c '
+import importlib, importlib.metadata as md
+for d in ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "tqdm", "timm", "transformers", "huggingface_hub",
+          "safetensors", "regex", "pillow", "scikit-image", "hypothesis", "pytest", "open_clip_torch", "ftfy", "wcwidth"):
+    try: print(f"{d:>16} {md.version(d)}")
+    except md.PackageNotFoundError: print(f"{d:>16} MISSING")
+for m in ("proton", "proton.cli", "proton.benchmark", "proton.extract", "proton.vlm", "proton.flair", "open_clip"):
+    print(f"{m:>16}", importlib.import_module(m).__file__)'
+
+# b. CUDA parity of the engine: the tests run on the device named by PROTON_TEST_DEVICE
+step "b. parity tests" 150 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -x -rs -p no:cacheprovider tests/test_engine.py tests/test_reference.py
+
+# c. stream-engine benchmark
+step "c. engine benchmark" 200 python3 benchmarks/run.py --device $DEV --json "$OUT/bench_cuda.json"
+
+# c2. chunk size on the GPU: the engine's throughput at N=10^7, C=2, for chunks of 2^16 to 2^21 images
+step "c2. chunk sizes" 60 python3 -c '
+import sys, time, json, torch; sys.path.insert(0, "benchmarks")
+import proton.engine as engine
+from proton import Proton
+from run import stream
+T, X = stream(10_000_000, 2, device="cuda")
+for size in (1 << 16, 1 << 18, 1 << 20, 1 << 21):
+    engine.CUDA_CHUNK_SIZE = size
+    best = 1e9
+    for _ in range(3):
+        torch.cuda.synchronize(); t = time.perf_counter(); Proton(T).score(X); torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)
+    print(json.dumps(dict(chunk=size, n=len(X), samples_per_s=round(len(X) / best), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))))'
+
+# e. the whole experiment suite from an embedding cache (5,000 synthetic images, d=512); proton-ood benchmark runs on the CPU
+step "e. suite end to end" 120 python3 benchmarks/suite.py --n-id 2000 --n-per-shift 1000 --timeout 105 --json "$OUT/suite.json"
+
+# d. extraction throughput: ViT-B/32 on 1,024 JPEGs, then FLAIR on 128 PNGs of 1024x1024 (writing 2048x2048 PNGs takes ~1 s each)
+step "d. extract ViT-B/32" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 1024 --batch-size 64 --repeats 2 --json "$OUT/extract_vit_cuda.json"
+step "d. extract FLAIR" 100 python3 benchmarks/extract.py --device $DEV --models flair --n 128 --batch-size 64 --repeats 1 --fundus-size 1024 --json "$OUT/extract_flair_cuda.json"
+
+echo "=== done in ${SECONDS}s; files: $(cd "$OUT" && ls | tr '\n' ' ')" | tee -a "$LOG"

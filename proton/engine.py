@@ -110,7 +110,7 @@ def prefix_sums(X:Tensor, # (R, K) rows to sum
                 G:int=16): # rows per group
     "Exclusive prefix sums of the rows of X: row r gets the sum of rows 0..r-1."
     R = len(X); n = -(-R // G)
-    Xg = torch.cat([X, X.new_zeros(n * G - R, X.shape[1])]).view(n, G, -1)
+    Xg = (X if R == n * G else torch.cat([X, X.new_zeros(n * G - R, X.shape[1])])).view(n, G, -1)
     out = torch.matmul(torch.ones(G, G, dtype=X.dtype, device=X.device).tril(-1), Xg)
     totals = (out[:, -1] + Xg[:, -1]).double()
     out += (torch.ones(n, n, dtype=torch.float64, device=X.device).tril(-1) @ totals).to(X.dtype)[:, None]
@@ -121,9 +121,13 @@ def block_starts(Ub:Tensor, # (B, L, d) queue changes, by block
                  onehot:Tensor, # (B, L, C) one-hot class of each gated image (zero rows when not gated)
                  S0:Tensor): # (C, d) queue sums when the chunk began
     "(B, C, d) window sum of every class at the start of every block."
-    B, C, d = len(Ub), *S0.shape
-    delta = torch.bmm(onehot.transpose(1, 2), Ub)  # (B, C, d) each block's change to each class's sum
-    return (prefix_sums(delta.view(B, C * d)).view(B, C, d) + S0).contiguous()
+    (B, L, d), C = Ub.shape, len(S0)
+    if Ub.is_cuda: delta = torch.bmm(onehot.transpose(1, 2), Ub)  # (B, C, d): each block's change to each class's sum
+    else:  # on a CPU, adding each row to its (block, class) row is cheaper than C-row matrix products
+        target = torch.arange(B * L, device=Ub.device) // L * C + onehot.view(-1, C).argmax(1)
+        delta = Ub.new_zeros(B * C, d).index_add_(0, target, Ub.view(-1, d))
+    S = prefix_sums(delta.view(B, C * d)).view(B, C, d)
+    return S.add_(S0)
 
 # %% ../nbs/15_engine.ipynb
 def _exclusive_cumsum(x): return x.cumsum(1) - x

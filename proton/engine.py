@@ -234,8 +234,10 @@ def _numpy_views(self:Proton):
     "numpy arrays sharing memory with the text embeddings and the bank's entries, counts and prototypes."
     b = self.bank
     tensors = (self.text, b.entries, b.counts, b.prototypes)
-    if getattr(self, "_views", (None,))[0] != tensors: self._views = (tensors, tuple(t.numpy() for t in tensors))
-    return self._views[1]
+    cached = getattr(self, "_views", ((), ()))
+    if len(cached[0]) != 4 or any(a is not t for a, t in zip(cached[0], tensors)):  # new tensors: new views
+        self._views = cached = (tensors, tuple(t.numpy() for t in tensors))
+    return cached[1]
 
 def _score_one(self:Proton,
                x): # one image embedding, (d,) or (1, d), numpy or CPU torch

@@ -92,12 +92,11 @@ def queue_changes(Src:Tensor, # the source table, its first rows the chunk's emb
                   M:int, # bank size
                   q:Tensor, # (C,) entries each queue held when the chunk began
                   predicted:Tensor, # (N,) zero-shot class of each image
-                  gated:Tensor, # (N,) whether each image passes the gate
                   before:Tensor, # (N, C) uncapped queue lengths before each image
                   grouped:Tensor, # gated rows grouped by class
                   first:Tensor): # (C,) where each class's group starts
     "Fill U with u_t = g_t (e_t - z_t), z_t the entry image t evicts (zero if none)."
-    rows = gated.nonzero().flatten()
+    rows = grouped  # every gated row, once; their order does not matter here
     cls = predicted[rows]
     old = before[rows, cls] - M  # sequence position of the entry each arrival evicts, negative if none
     minus = torch.arange(len(U), device=U.device)
@@ -194,7 +193,7 @@ def scan_chunk(det:Proton, # the detector; its state advances over the chunk
     gated = confidence >= c.gamma
     before, after = queue_lengths(q, predicted, gated)
     grouped, first = arrivals_by_class(predicted, gated, C)
-    U = queue_changes(Src, buffers.u[:P], start, M, q, predicted, gated, before, grouped, first).view(-1, L, d)
+    U = queue_changes(Src, buffers.u[:P], start, M, q, predicted, before, grouped, first).view(-1, L, d)
     onehot = F.one_hot(predicted, C).to(E.dtype) * gated[:, None]
     onehot = torch.cat([onehot, onehot.new_zeros(P - N, C)]).view(-1, L, C)
     Sb = block_starts(U, onehot, bank.entries.sum(1))
@@ -213,7 +212,7 @@ def scan_chunk(det:Proton, # the detector; its state advances over the chunk
     for k in range(C): bank.refresh(k)
     det.welford = welford
     nan, one = torch.full_like(proto, math.nan), torch.ones_like(alpha)
-    return ProtonParts(torch.where(calibrated, alpha * base + (1 - alpha) * proto, base), base,
+    return ProtonParts(torch.where(calibrated, fuse(base, proto, alpha), base), base,
                        torch.where(calibrated, proto, nan), torch.where(calibrated, alpha, one), calibrated, gated, predicted)
 
 # %% ../nbs/15_engine.ipynb

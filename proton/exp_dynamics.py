@@ -30,7 +30,7 @@ def prototype_history(image_embeddings:Tensor, # (N, d) L2-normalised embeddings
     before, _ = queue_lengths(empty, predicted, enqueued)
     grouped, first = arrivals_by_class(predicted, enqueued, n_classes)
     Src = torch.cat([E, E.new_zeros(1, E.shape[1])])  # the stream's embeddings, then the zero row
-    U = queue_changes(Src, torch.empty_like(E), len(E), bank_size, empty, predicted, enqueued, before, grouped, first)
+    U = queue_changes(Src, torch.empty_like(E), len(E), bank_size, empty, predicted, before, grouped, first)
     onehot = F.one_hot(predicted, n_classes) * enqueued[:, None]
     sums = torch.stack([prefix_sums(U * onehot[:, c, None]) + U * onehot[:, c, None] for c in range(n_classes)], 1)
     return F.normalize(sums, dim=-1), before + onehot

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .cache import EmbeddingCache
 from .detector import Proton, ProtonConfig
-from .engine import arrivals_by_class, prefix_sums, queue_changes, queue_lengths
+from .engine import arrivals_by_class, eviction_rows, prefix_sums, queue_changes, queue_lengths
 from .scores import as_unit_rows
 from .streams import make_stream
 
@@ -30,7 +30,8 @@ def prototype_history(image_embeddings:Tensor, # (N, d) L2-normalised embeddings
     before, _ = queue_lengths(empty, predicted, enqueued)
     grouped, first = arrivals_by_class(predicted, enqueued, n_classes)
     Src = torch.cat([E, E.new_zeros(1, E.shape[1])])  # the stream's embeddings, then the zero row
-    U = queue_changes(Src, torch.empty_like(E), len(E), bank_size, empty, predicted, before, grouped, first)
+    minus = eviction_rows(len(Src), len(E), bank_size, empty, predicted, before, grouped, first, len(E))
+    U = queue_changes(Src, minus, 0, torch.empty_like(E))
     onehot = F.one_hot(predicted, n_classes) * enqueued[:, None]
     sums = torch.stack([prefix_sums(U * onehot[:, c, None]) + U * onehot[:, c, None] for c in range(n_classes)], 1)
     return F.normalize(sums, dim=-1), before + onehot

@@ -1,4 +1,6 @@
-"""Property-based parity: the vectorised engine against the step-by-step path, over random streams and configurations."""
+"""Property-based parity: the vectorised engine against the step-by-step path, over random streams and configurations.
+
+PROTON_PARITY_EXAMPLES sets the number of random streams (80 by default; 1,500 for a thorough run)."""
 import os
 
 import numpy as np
@@ -49,10 +51,10 @@ streams = st.fixed_dictionaries(dict(
     seed=st.integers(0, 10_000), bank_size=st.integers(1, 12), k_min_frac=st.floats(0, 1),
     gamma=st.floats(0.3, 1.0), temperature=st.sampled_from([0.05, 0.1, 0.2, 0.5, 1.0]),
     base_score=st.sampled_from(["mcm", "max_logit", "energy", "entropy"]),
-    chunk=st.integers(1, 97), dtype=st.sampled_from([torch.float32, torch.float64])))
+    chunk=st.integers(1, 97), tile=st.integers(1, 64), dtype=st.sampled_from([torch.float32, torch.float64])))
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("PROTON_PARITY_EXAMPLES", 80)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams)
 def test_vectorised_equals_stepwise(p):
     T, E = clustered_stream(p["n_classes"], p["dim"], p["warmup"] + p["n"], seed=p["seed"])
@@ -64,12 +66,12 @@ def test_vectorised_equals_stepwise(p):
     w = p["warmup"]
     stepwise(slow, E[:w]); stepwise(fast, E[:w])  # a state to continue from, calibrated or not
     want = stepwise(slow, E[w:])
-    old = engine.CHUNK_SIZE
+    old = engine.CHUNK_SIZE, engine.TILE
     try:
-        engine.CHUNK_SIZE = p["chunk"]
+        engine.CHUNK_SIZE, engine.TILE = p["chunk"], p["tile"]  # several tiles per chunk on a CPU
         got = fast.score(E[w:], return_parts=True) if len(E) - w > engine.STEP_MAX else scan_in_chunks(fast, E[w:], p["chunk"])
     finally:
-        engine.CHUNK_SIZE = old
+        engine.CHUNK_SIZE, engine.TILE = old
     check_same(got, want, fast, slow, p["dtype"])
 
 
@@ -101,12 +103,12 @@ def test_parity_check_can_fail():
     cfg = ProtonConfig(bank_size=3, k_min=1, temperature=0.2)
     slow, fast = Proton(T, cfg), Proton(T, cfg)
     want = stepwise(slow, E)
-    right = engine.queue_changes
+    right = engine.eviction_rows
     try:
-        engine.queue_changes = lambda Src, U, base, M, *rest: right(Src, U, base, 10**9, *rest)  # nothing is ever evicted
+        engine.eviction_rows = lambda n_src, base, M, *rest: right(n_src, base, 10**9, *rest)  # nothing is ever evicted
         got = scan_in_chunks(fast, E, len(E))
     finally:
-        engine.queue_changes = right
+        engine.eviction_rows = right
     with pytest.raises(AssertionError):
         check_same(got, want, fast, slow, torch.float64)
 

@@ -244,17 +244,20 @@ SCALAR_BASE_SCORES = {  # scalar twins of `BASE_SCORES`, for one image's logits 
     "entropy": lambda l, lse: -sum(math.exp(x - lse) * (x - lse) for x in l)}
 
 # %% ../nbs/15_engine.ipynb
-def _shift_up(rows:np.ndarray): # (M, d) C-contiguous rows
-    "Move rows 1.. of `rows` to 0.. in place (the last row keeps its old value)."
-    ctypes.memmove(rows.ctypes.data, rows.ctypes.data + rows.strides[0], (len(rows) - 1) * rows.strides[0])
+def _shift_up(address:int, # where the first of the rows starts in memory
+              row_bytes:int, # bytes per row
+              n:int): # rows
+    "Move rows 1..n-1 to 0..n-2 in place (row n-1 keeps its old value)."
+    ctypes.memmove(address, address + row_bytes, (n - 1) * row_bytes)
 
 def _numpy_views(self:Proton):
-    "numpy arrays sharing memory with the text embeddings and the bank's entries, counts and prototypes."
+    "numpy views of the text embeddings and the bank's entries, counts and prototypes; the entries' address; M ones."
     b = self.bank
     tensors = (self.text, b.entries, b.counts, b.prototypes)
     cached = getattr(self, "_views", ((), ()))
     if len(cached[0]) != 4 or any(a is not t for a, t in zip(cached[0], tensors)):  # new tensors: new views
-        self._views = cached = (tensors, tuple(t.numpy() for t in tensors))
+        views = tuple(t.numpy() for t in tensors)  # looking up an address costs microseconds: once, here
+        self._views = cached = (tensors, views + (views[1].ctypes.data, np.ones(b.size, dtype=views[1].dtype)))
     return cached[1]
 
 def _score_one(self:Proton,
@@ -265,7 +268,7 @@ def _score_one(self:Proton,
     if isinstance(x, Tensor):
         if x.device.type != "cpu" or x.requires_grad: return None
         x = x.numpy()
-    text, entries, counts, prototypes = self._numpy_views()
+    text, entries, counts, prototypes, address, ones = self._numpy_views()
     v = np.asarray(x)
     if v.shape not in ((self.dim,), (1, self.dim)) or v.dtype.kind != "f": return None
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
@@ -283,9 +286,9 @@ def _score_one(self:Proton,
     k = max(range(len(logits)), key=logits.__getitem__)
     if math.exp(logits[k] - lse) >= c.gamma:
         m = int(counts[k])
-        if m == bank.size: _shift_up(entries[k]); m -= 1
+        if m == bank.size: _shift_up(address + k * entries.strides[0], entries.strides[1], m); m -= 1
         entries[k, m] = e; counts[k] = m + 1
-        total = np.ones(m + 1, dtype=e.dtype) @ entries[k, :m + 1]
+        total = ones[:m + 1] @ entries[k, :m + 1]
         prototypes[k] = total / max(math.sqrt(float(total @ total)), 1e-12)
     return torch.full((1,), score, dtype=self.dtype)
 Proton._numpy_views, Proton._score_one = _numpy_views, _score_one

@@ -213,9 +213,9 @@ def scan_chunk(det:Proton, # the detector; its state advances over the chunk
     sims, kappa = E.new_empty(P, C), torch.empty(P, C, dtype=torch.float64, device=E.device)
     for a in range(0, P, buffers.tile):
         b = min(P, a + buffers.tile)
-        U = queue_changes(Src, minus[a:b], a, buffers.u[:b - a]).view(-1, L, d)
-        Sb, S = block_starts(U, onehot[a // L:b // L], S)
-        s, k = block_similarities(Src[a:b].view(-1, L, d), U, Sb, onehot[a // L:b // L])
+        U, oh = queue_changes(Src, minus[a:b], a, buffers.u[:b - a]).view(-1, L, d), onehot[a // L:b // L]
+        Sb, S = block_starts(U, oh, S)
+        s, k = block_similarities(Src[a:b].view(-1, L, d), U, Sb, oh)
         sims[a:b], kappa[a:b] = s.reshape(-1, C), k.reshape(-1, C)
     sims, kappa = sims[:N], kappa[:N]
     redo = (kappa > KAPPA[E.dtype]).nonzero()

@@ -25,7 +25,7 @@ from .cache import EmbeddingCache
 from .detector import Proton, ProtonConfig
 from .engine import CHUNK_SIZE, scan_chunk
 from .metrics import ood_metrics
-from .scores import as_unit_rows, zero_shot_logits
+from .scores import as_unit_rows, zero_shot_logits, top_softmax
 from .streams import ORDERS, Stream, stream_permutations
 from .synth import PRESETS, SHIFTS, SyntheticWorld
 
@@ -84,7 +84,7 @@ class _Prepared:
         dtype = torch.float64 if cache.text_embeddings.dtype == np.float64 else torch.float32
         self.E = as_unit_rows(cache.image_embeddings, dtype=dtype, name="image embeddings")
         self.T = as_unit_rows(cache.text_embeddings, dtype=dtype, name="text embeddings")
-        self.confidence, self.predicted = zero_shot_logits(self.E, self.T, cache.temperature).softmax(-1).max(-1)
+        self.confidence, self.predicted = top_softmax(zero_shot_logits(self.E, self.T, cache.temperature))
         self._scores = {}
 
     def scores(self, name:str): # a name in `BASELINES`

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .scores import as_tensor, as_unit_rows, zero_shot_logits, get_base_score
+from .scores import as_tensor, as_unit_rows, zero_shot_logits, top_softmax, mcm_score, get_base_score
 from .bank import PrototypeBank
 from .proto import proto_score
 from .fusion import Welford, fusion_weight, fuse
@@ -85,14 +85,16 @@ class Proton:
 
 # %% ../nbs/14_detector.ipynb
 def _classify(self:Proton,
-              E:Tensor): # (N, d) L2-normalised image embeddings
+              E:Tensor, # (N, d) image embeddings, L2-normalised unless `norms` is given
+              norms:Tensor|None=None): # (N,) lengths of the rows of E; their cosines are then divided by them
     "The stateless quantities of each image: (base, confidence, predicted), the base score checked."
     logits = zero_shot_logits(E, self.text, self.config.temperature)
-    base = self.base_fn(logits)
+    if norms is not None: logits /= norms[:, None]
+    confidence, predicted = top_softmax(logits)
+    base = -confidence if self.base_fn is mcm_score else self.base_fn(logits)  # MCM is minus the confidence
     if not isinstance(base, Tensor) or base.shape != (len(E),):
         raise ValueError(f"base score must return a tensor of shape ({len(E)},), got {getattr(base, 'shape', type(base))}")
     if not torch.isfinite(base).all(): raise ValueError("base score returned NaN or Inf")
-    confidence, predicted = logits.softmax(-1).max(-1)
     return base.to(self.dtype), confidence, predicted
 Proton._classify = _classify
 

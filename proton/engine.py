@@ -170,7 +170,7 @@ def block_size(M:int, device): return min(CUDA_BLOCK if torch.device(device).typ
 
 # %% ../nbs/15_engine.ipynb
 class ChunkBuffers:
-    "Work arrays reused by the chunks of one call: the source table `src` and a tile `u` of queue changes."
+    "Work arrays reused by the chunks of one call: the source table `src`, a tile `u` of queue changes, and a chunk's raw rows."
     def __init__(self, det:Proton, # the detector
                  n:int): # largest chunk, in images
         L, C, M = block_size(det.bank.size, det.device), det.n_classes, det.bank.size
@@ -179,11 +179,21 @@ class ChunkBuffers:
         self.src[-1] = 0
         self.tile = self.base if det.device.type == "cuda" else min(self.base, max(TILE // L, 1) * L)  # whole blocks
         self.u = torch.empty(self.tile, det.dim, dtype=det.dtype, device=det.device)
+        self.raw = None
 
-    def load(self, X:Tensor, # (N, d) embeddings of a chunk
-             norms:Tensor): # (N,) their lengths
-        "Normalise a chunk into the source table and return it as (N, d) unit rows."
-        return torch.div(X, norms[:, None], out=self.src[:len(X)])
+    def stage(self, X:Tensor, # (N, d) embeddings of a chunk
+              norms:Tensor): # (N,) their lengths
+        "Keep a chunk's rows for `fill` to normalise into the source table; return the (N, d) unit rows they will become."
+        self.raw = X, norms
+        return self.src[:len(X)]
+
+    def fill(self, a:int, # first row
+             b:int): # one past the last row
+        "Normalise the staged rows a..b-1 into the source table, just before a tile reads them."
+        if self.raw is None: return
+        X, norms = self.raw
+        torch.div(X[a:b], norms[a:b, None], out=self.src[a:min(b, len(X))])
+        if b >= len(X): self.raw = None
 
 # %% ../nbs/15_engine.ipynb
 def scan_chunk(det:Proton, # the detector; its state advances over the chunk
@@ -197,6 +207,7 @@ def scan_chunk(det:Proton, # the detector; its state advances over the chunk
     (N, d), C, M = E.shape, det.n_classes, bank.size
     L, q = block_size(M, E.device), bank.counts
     if buffers is None or buffers.src.data_ptr() != E.data_ptr() or buffers.base < N:
+        if buffers is not None: buffers.fill(0, N)  # rows still staged must be in E before it is copied
         buffers = ChunkBuffers(det, N); buffers.src[:N] = E
     Src, start = buffers.src, buffers.base
     P = max(-(-N // L), 1) * L
@@ -213,6 +224,7 @@ def scan_chunk(det:Proton, # the detector; its state advances over the chunk
     sims, kappa = E.new_empty(P, C), torch.empty(P, C, dtype=torch.float64, device=E.device)
     for a in range(0, P, buffers.tile):
         b = min(P, a + buffers.tile)
+        buffers.fill(a, b)
         U, oh = queue_changes(Src, minus[a:b], a, buffers.u[:b - a]).view(-1, L, d), onehot[a // L:b // L]
         Sb, S = block_starts(U, oh, S)
         s, k = block_similarities(Src[a:b].view(-1, L, d), U, Sb, oh)
@@ -307,16 +319,15 @@ def _score(self:Proton,
     if not return_parts and (one := self._score_one(image_embeddings)) is not None: return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
     if len(X) <= STEP_MAX:
-        E = X / norms[:, None]
-        parts = self._steps(E, *self._classify(E))
+        parts = self._steps(X / norms[:, None], *self._classify(X, norms))
         return parts if return_parts else parts.score
     saved, size = self.state_dict(), chunk_size(self.device)
     buffers = ChunkBuffers(self, min(len(X), size))
     try:
         parts = []
         for a in range(0, len(X), size):
-            E = buffers.load(X[a:a + size], norms[a:a + size])
-            chunk = self._scan(E, *self._classify(E), buffers)
+            rows, lengths = X[a:a + size], norms[a:a + size]
+            chunk = self._scan(buffers.stage(rows, lengths), *self._classify(rows, lengths), buffers)
             parts.append(chunk if return_parts else chunk.score)  # keeping only the scores saves memory
     except BaseException:
         self.load_state_dict(saved)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import proton.engine as engine
 from proton import Proton, ProtonConfig
-from proton.scores import as_unit_rows
+from proton.scores import as_rows, as_unit_rows
 from reference import clustered_stream
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -18,9 +18,9 @@ DEVICE = os.environ.get("PROTON_TEST_DEVICE", "cpu")  # PROTON_TEST_DEVICE=cuda 
 
 
 def stepwise(det, X):
-    "The step-by-step path on raw embeddings, normalised exactly as `Proton.score` normalises them."
-    E = as_unit_rows(X, dtype=det.dtype)
-    return det._steps(E, *det._classify(E))
+    "The step-by-step path on raw embeddings, normalised and classified exactly as `Proton.score` does it."
+    X, norms = as_rows(X, dtype=det.dtype)
+    return det._steps(X / norms[:, None], *det._classify(X, norms))
 
 
 def check_same(fast, slow, det_fast, det_slow, dtype):
@@ -41,8 +41,9 @@ def check_same(fast, slow, det_fast, det_slow, dtype):
 
 def scan_in_chunks(det, X, chunk):
     "The vectorised path on batches too small for `Proton.score` to choose it."
-    E = as_unit_rows(X, dtype=det.dtype)
-    parts = [det._scan(E[a:a + chunk], *det._classify(E[a:a + chunk])) for a in range(0, max(len(E), 1), chunk)]
+    X, norms = as_rows(X, dtype=det.dtype)
+    E, cut = X / norms[:, None], range(0, max(len(X), 1), chunk)
+    parts = [det._scan(E[a:a + chunk], *det._classify(X[a:a + chunk], norms[a:a + chunk])) for a in cut]
     return engine.ProtonParts(*(torch.cat(x) for x in zip(*parts)))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .scores import as_tensor, as_unit_rows, zero_shot_logits, top_softmax, mcm_score, get_base_score
+from .scores import as_tensor, as_unit_rows, zero_shot_logits, top_softmax, get_base_score
 from .bank import PrototypeBank
 from .proto import proto_score
 from .fusion import Welford, fusion_weight, fuse
@@ -90,11 +90,11 @@ def _classify(self:Proton,
     "The stateless quantities of each image: (base, confidence, predicted), the base score checked."
     logits = zero_shot_logits(E, self.text, self.config.temperature)
     if norms is not None: logits /= norms[:, None]
-    confidence, predicted = top_softmax(logits)
-    base = -confidence if self.base_fn is mcm_score else self.base_fn(logits)  # MCM is minus the confidence
+    base = self.base_fn(logits)
     if not isinstance(base, Tensor) or base.shape != (len(E),):
         raise ValueError(f"base score must return a tensor of shape ({len(E)},), got {getattr(base, 'shape', type(base))}")
     if not torch.isfinite(base).all(): raise ValueError("base score returned NaN or Inf")
+    confidence, predicted = top_softmax(logits)
     return base.to(self.dtype), confidence, predicted
 Proton._classify = _classify
 

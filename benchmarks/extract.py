@@ -1,4 +1,4 @@
-"""Throughput of embedding extraction (`proton.extract`): images per second, forward only versus end to end.
+"""Throughput of embedding extraction (`proton.models.extract`): images per second, forward only versus end to end.
 
 Run on a GPU machine: `python benchmarks/extract.py --device cuda`. Anywhere: `python benchmarks/extract.py --quick`
 (tiny counts; on a CPU the numbers describe that CPU, not a GPU). Two models, with random weights unless a FLAIR
@@ -27,8 +27,8 @@ import torch
 from PIL import Image
 from skimage import data as skdata
 
-from proton.extract import ImageFiles, _Preprocess, default_workers, extract
-from proton.vlm import load_vlm
+from proton.models.extract import ImageFiles, _Preprocess, default_workers, extract
+from proton.models import load_vlm
 
 TARGET = 0.80
 
@@ -66,7 +66,7 @@ def tiny_vocab(folder):
 
 def load_flair_model(args, device, scratch):
     "FLAIR: the released checkpoint if given, else random weights."
-    from proton.flair import FLAIR, load_flair_tokenizer, random_flair
+    from proton.models.flair import FLAIR, load_flair_tokenizer, random_flair
     if args.flair_checkpoint:
         return load_vlm("flair", args.flair_checkpoint, device=device, tokenizer=args.flair_tokenizer), "released weights"
     return FLAIR(random_flair(0), load_flair_tokenizer(tiny_vocab(scratch)), device), "random weights"

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
 # Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_vit_cuda.json, extract_flair_cuda.json.
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine benchmark on CUDA,
-# e) end-to-end time of `proton-ood benchmark --experiments all`, d) extraction throughput (ViT-B/32, then FLAIR).
+# e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction throughput (ViT-B/32, then FLAIR).
 # Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step that fails or
 # times out is logged and the next one runs.
 set -u -o pipefail
@@ -42,7 +42,7 @@ for d in ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "tqdm", "ti
           "safetensors", "regex", "pillow", "scikit-image", "hypothesis", "pytest", "open_clip_torch", "ftfy", "wcwidth"):
     try: print(f"{d:>16} {md.version(d)}")
     except md.PackageNotFoundError: print(f"{d:>16} MISSING")
-for m in ("proton", "proton.cli", "proton.benchmark", "proton.extract", "proton.vlm", "proton.flair", "open_clip"):
+for m in ("proton", "proton.cli", "proton.bench.evaluation", "proton.models.extract", "proton.models.vlm", "proton.models.flair", "open_clip"):
     print(f"{m:>16}", importlib.import_module(m).__file__)'
 
 # b. CUDA parity of the engine: the tests run on the device named by PROTON_TEST_DEVICE
@@ -65,7 +65,7 @@ for size in (1 << 16, 1 << 18, 1 << 20, 1 << 21):
         torch.cuda.synchronize(); t = time.perf_counter(); Proton(T).score(X); torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)
     print(json.dumps(dict(chunk=size, n=len(X), samples_per_s=round(len(X) / best), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))))'
 
-# e. the whole experiment suite from an embedding cache (5,000 synthetic images, d=512); proton-ood benchmark runs on the CPU
+# e. the whole experiment suite from an embedding cache (5,000 synthetic images, d=512); proton-ood evaluate runs on the CPU
 step "e. suite end to end" 120 python3 benchmarks/suite.py --n-id 2000 --n-per-shift 1000 --timeout 105 --json "$OUT/suite.json"
 
 # d. extraction throughput: ViT-B/32 on 1,024 JPEGs, then FLAIR on 128 PNGs of 1024x1024 (writing 2048x2048 PNGs takes ~1 s each)

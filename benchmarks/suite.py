@@ -1,12 +1,12 @@
-"""End-to-end time of the whole experiment suite, `proton-ood benchmark --experiments all`, on an embedding cache.
+"""End-to-end time of the whole experiment suite, `proton-ood evaluate --experiments all`, on an embedding cache.
 
 Run: `python benchmarks/suite.py` (add `--json FILE` to keep the summary). It writes a synthetic embedding cache of
 realistic size with the library's own writer (`EmbeddingCache.from_world(SyntheticWorld.preset(...)).save(...)`), then
 runs the `proton-ood` console script's entry point (`proton.cli:main`) in a fresh Python process, exactly as
-`proton-ood benchmark CACHE --experiments all` would, and times it from process start to exit (imports included).
-The time of each experiment is measured inside that process too, by wrapping `proton.benchmark._run_experiment`.
+`proton-ood evaluate CACHE --experiments all` would, and times it from process start to exit (imports included).
+The time of each experiment is measured inside that process too, by wrapping `proton.bench.evaluation._run_experiment`.
 
-Device: `proton-ood benchmark` has no device option. The benchmark scores numpy caches with CPU torch tensors (one
+Device: `proton-ood evaluate` has no device option. The evaluation scores numpy caches with CPU torch tensors (one
 torch thread per `evaluate`), so the suite runs on the CPU even on a GPU machine; the GPU, if any, is only reported.
 """
 import argparse
@@ -26,7 +26,7 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from proton.cli import main
-import proton.benchmark as b
+import proton.bench.evaluation as b
 imported = time.perf_counter() - t0
 times = {}
 run = getattr(b, "_run_experiment", None)
@@ -57,20 +57,20 @@ def main(argv=None):
     p.add_argument("--n-per-shift", type=int, default=600, help="images of each OOD shift (semantic, covariate, far)")
     p.add_argument("--dim", type=int, default=512, help="embedding dimension")
     p.add_argument("--preset", default="default", help="SyntheticWorld preset")
-    p.add_argument("--experiments", default="all", help="passed to proton-ood benchmark --experiments")
-    p.add_argument("--permutations", type=int, default=5, help="passed to proton-ood benchmark --permutations")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before the benchmark process is killed")
+    p.add_argument("--experiments", default="all", help="passed to proton-ood evaluate --experiments")
+    p.add_argument("--permutations", type=int, default=5, help="passed to proton-ood evaluate --permutations")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the evaluation process is killed")
     p.add_argument("--json", default=None, help="also write the summary to this JSON file")
     p.add_argument("--quick", action="store_true", help="a smoke test: 200 ID + 100 per shift, 1 permutation")
     args = p.parse_args(argv)
     if args.quick: args.n_id, args.n_per_shift, args.permutations = 200, 100, 1
 
     from proton import __version__
-    from proton.cache import EmbeddingCache
-    from proton.synth import SyntheticWorld
+    from proton.bench.cache import EmbeddingCache
+    from proton.bench.synth import SyntheticWorld
 
-    summary = dict(what="proton-ood benchmark --experiments " + args.experiments, library_version=__version__,
-                   device="cpu", device_note="proton-ood benchmark has no device option: it runs on CPU torch tensors",
+    summary = dict(what="proton-ood evaluate --experiments " + args.experiments, library_version=__version__,
+                   device="cpu", device_note="proton-ood evaluate has no device option: it runs on CPU torch tensors",
                    machine=machine(), preset=args.preset, dim=args.dim, n_id=args.n_id, n_per_shift=args.n_per_shift,
                    permutations=args.permutations)
     with tempfile.TemporaryDirectory() as scratch:
@@ -80,11 +80,11 @@ def main(argv=None):
         path = cache.save(Path(scratch, "synthetic.npz"))
         summary.update(images=len(cache), cache_bytes=path.stat().st_size, build_cache_s=round(time.perf_counter() - t, 3))
         out = Path(scratch, "results", "main.csv")
-        cmd = [sys.executable, "-c", CHILD, "benchmark", str(path), "--experiments", args.experiments,
+        cmd = [sys.executable, "-c", CHILD, "evaluate", str(path), "--experiments", args.experiments,
                "--permutations", str(args.permutations), "--out", str(out), "--no-progress"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x),
                    PYTHONWARNINGS="ignore")
-        print(f"timing `proton-ood benchmark {path.name} --experiments {args.experiments} --permutations {args.permutations}` "
+        print(f"timing `proton-ood evaluate {path.name} --experiments {args.experiments} --permutations {args.permutations}` "
               f"on {len(cache)} synthetic images (d={args.dim}, {args.n_id} ID + {args.n_per_shift} per OOD shift), device cpu",
               flush=True)
         t = time.perf_counter()

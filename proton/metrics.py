@@ -7,7 +7,6 @@ __all__ = ['fpr_at_id_recall', 'fpr_at_ood_recall', 'ood_metrics']
 
 # %% ../nbs/16_metrics.ipynb
 import numpy as np
-from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 # %% ../nbs/16_metrics.ipynb
 def _scores_1d(x, name):
@@ -19,12 +18,14 @@ def _scores_1d(x, name):
 # %% ../nbs/16_metrics.ipynb
 def fpr_at_id_recall(scores_id, scores_ood, recall:float=0.95):
     "Fraction of OOD accepted at the threshold whose ID recall is nearest `recall` (MCM convention)."
+    from sklearn.metrics import roc_curve  # here, not at the top: scikit-learn's metrics import pandas, and `import proton` stays light
     y = np.r_[np.ones(len(scores_id)), np.zeros(len(scores_ood))]
     fpr, tpr, _ = roc_curve(y, -np.r_[scores_id, scores_ood], drop_intermediate=False)
     return float(fpr[np.argmin(np.abs(tpr - recall))])
 
 def fpr_at_ood_recall(scores_id, scores_ood, recall:float=0.95):
     "Fraction of ID flagged at the first threshold catching at least `recall` of OOD (OpenOOD convention)."
+    from sklearn.metrics import roc_curve
     y = np.r_[np.zeros(len(scores_id)), np.ones(len(scores_ood))]
     fpr, tpr, _ = roc_curve(y, np.r_[scores_id, scores_ood], drop_intermediate=False)
     return float(fpr[np.argmax(tpr >= recall)])
@@ -34,6 +35,7 @@ def ood_metrics(scores_id, # (N_id,) scores of ID images, higher = more OOD
                 scores_ood, # (N_ood,) scores of OOD images, higher = more OOD
                 recall:float=0.95): # recall level of the two FPR metrics
     "AUROC, AUPR-out, AUPR-in and both FPR@95 conventions, as a dict of floats in [0, 1]."
+    from sklearn.metrics import average_precision_score, roc_auc_score
     s_id, s_ood = _scores_1d(scores_id, "scores_id"), _scores_1d(scores_ood, "scores_ood")
     if not 0 < recall <= 1: raise ValueError(f"recall must be in (0, 1], got {recall}")
     y = np.r_[np.zeros(len(s_id)), np.ones(len(s_ood))]

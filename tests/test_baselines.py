@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from proton.baselines import (BASELINES, PROMPT_POOLINGS, HeldOut, baseline_scores, ensemble_text_embeddings, fit_knn,
+from proton.bench.baselines import (BASELINES, PROMPT_POOLINGS, HeldOut, baseline_scores, ensemble_text_embeddings, fit_knn,
                               fit_mahalanobis, gl_mcm_score, prompt_mcm_score, split_held_out, static_score)
 from proton.scores import BASE_SCORES
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import proton.cache as cache_module
-from proton.cache import CACHE_FORMAT, CorruptCacheError, EmbeddingCache
-from proton.streams import ORDERS, make_stream, misroute, stream_permutations
-from proton.synth import SHIFTS, SyntheticWorld
+import proton.bench.cache as cache_module
+from proton.bench.cache import CACHE_FORMAT, CorruptCacheError, EmbeddingCache
+from proton.bench.streams import ORDERS, make_stream, misroute, stream_permutations
+from proton.bench.synth import SHIFTS, SyntheticWorld
 
 WORLD = SyntheticWorld(seed=1)
 CACHE = EmbeddingCache.from_world(WORLD, n_id=80, n_per_shift=40, seed=2)
@@ -152,7 +152,7 @@ def test_not_a_cache(tmp_path):
 
 def write_with_valid_hash(path, arrays, header):
     "An archive whose hash is right, so that only the content checks can refuse it."
-    np.savez(path, header=np.array(header), sha256=np.array(cache_module._digest(arrays, header)), **arrays)
+    np.savez(path, header=np.array(header), sha256=np.array(cache_module.content_digest(arrays, header)), **arrays)
 
 
 def test_unknown_format_and_extra_entries_are_refused(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proton import EmbeddingCache, SyntheticWorld
+from proton.bench import EmbeddingCache, SyntheticWorld
 
 
 def run(*args):
@@ -18,7 +18,7 @@ def test_version_and_help():
     from proton import __version__
     assert run("--version").stdout.strip() == f"proton-ood {__version__}"
     out = run("--help").stdout
-    assert all(c in out for c in ("benchmark", "extract", "info"))
+    assert all(c in out for c in ("evaluate", "extract", "info"))
 
 
 def test_unknown_command_is_refused():
@@ -38,13 +38,13 @@ def test_info_checks_a_cache(tmp_path):
 
 
 def test_command_help_reaches_the_command():
-    r = run("benchmark", "-h")
+    r = run("evaluate", "-h")
     assert r.returncode == 0 and "--simulated" in r.stdout
 
 
-def test_benchmark_on_the_simulated_world(tmp_path):
+def test_evaluate_on_the_simulated_world(tmp_path):
     out = tmp_path / "results.csv"
-    r = run("benchmark", "--simulated", "default", "--permutations", "1", "--out", str(out), "--no-progress")
+    r = run("evaluate", "--simulated", "default", "--permutations", "1", "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     header = out.read_text().splitlines()[0]
     assert header == "method,shift,seed,auroc,aupr_out,aupr_in,fpr95,fpr95_ood,n_id,n_ood"

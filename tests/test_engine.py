@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import proton.engine as engine
-from proton import Proton, ProtonConfig
+from proton import Proton, ProtonConfig, ProtonParts
 from proton.scores import as_rows, as_unit_rows
 from reference import clustered_stream
 
@@ -41,10 +41,15 @@ def check_same(fast, slow, det_fast, det_slow, dtype):
 
 def scan_in_chunks(det, X, chunk):
     "The vectorised path on batches too small for `Proton.score` to choose it."
-    X, norms = as_rows(X, dtype=det.dtype)
-    E, cut = X / norms[:, None], range(0, max(len(X), 1), chunk)
-    parts = [det._scan(E[a:a + chunk], *det._classify(X[a:a + chunk], norms[a:a + chunk])) for a in cut]
-    return engine.ProtonParts(*(torch.cat(x) for x in zip(*parts)))
+    X, norms = as_rows(X, dtype=det.dtype, device=det.device)
+    parts = []
+    for a in range(0, max(len(X), 1), chunk):
+        x, n = X[a:a + chunk], norms[a:a + chunk]
+        base, confidence, predicted = det._classify(x, n)
+        (score, proto, alpha, cal, gated), det.welford = engine.scan_chunk(det.bank, det.welford, det.config, x / n[:, None],
+                                                                           base, confidence, predicted)
+        parts.append(ProtonParts(score, base, proto, alpha, cal, gated, predicted))
+    return ProtonParts(*(torch.cat(x) for x in zip(*parts)))
 
 
 streams = st.fixed_dictionaries(dict(

@@ -7,15 +7,15 @@ import pytest
 import torch
 from sklearn.metrics import f1_score
 
-from proton.benchmark import COLUMNS, evaluate, summarize
-from proton.cache import EmbeddingCache
+from proton.bench.evaluation import COLUMNS, evaluate, summarize
+from proton.bench.cache import EmbeddingCache
 from proton.detector import Proton, ProtonConfig
-from proton.exp_cross_domain import REPORTED_COVARIATE_AUROC, DOMAIN_MODELS, cross_domain
-from proton.exp_dynamics import dynamics, prototype_history
-from proton.exp_figure1 import figure1, overlap_coefficient
-from proton.exp_regime import regime
-from proton.exp_triage import TRIAGE_CLASSIFIERS, triage
-from proton.synth import PRESETS, SHIFTS, SyntheticWorld
+from proton.bench.experiments.cross_domain import REPORTED_COVARIATE_AUROC, DOMAIN_MODELS, cross_domain
+from proton.bench.experiments.dynamics import dynamics, prototype_history
+from proton.bench.experiments.figure1 import figure1, overlap_coefficient
+from proton.bench.experiments.regime import regime
+from proton.bench.experiments.triage import TRIAGE_CLASSIFIERS, triage
+from proton.bench.synth import PRESETS, SHIFTS, SyntheticWorld
 
 
 def tiny_cache(preset="default", seed=0, n_id=60, n_per_shift=30, **knobs):

@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 from skimage import data as skdata
 
-import proton.extract as ex
-from proton.cache import EmbeddingCache
-from proton.extract import extract, extract_main, read_prepared, shard_path
-from proton.vlm import load_vlm
+import proton.models.extract as ex
+from proton.bench.cache import EmbeddingCache
+from proton.models.extract import extract, extract_main, read_prepared, shard_path
+from proton.models import load_vlm
 
 MODEL = "open_clip:ViT-S-32/none"  # the smallest open_clip ViT at 224 px, with random weights (seed 0)
 CLASSES = ["normal", "diabetic_retinopathy"]

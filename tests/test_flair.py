@@ -14,10 +14,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from PIL import Image
 
-import proton.flair as flair_mod
-from proton.flair import (FLAIR, FLAIR_TEMPLATE, FLAIR_WEIGHTS_FILE, flair_preprocess, load_flair, load_flair_tokenizer,
+import proton.models.flair as flair_mod
+from proton.models.flair import (FLAIR, FLAIR_TEMPLATE, FLAIR_WEIGHTS_FILE, flair_preprocess, load_flair, load_flair_tokenizer,
                           random_flair)
-from proton.vlm import load_vlm
+from proton.models import load_vlm
 
 # SHA-256 of upstream's layout: one "name [shape]" line per tensor, sorted by name, joined by newlines. Computed from the
 # 520-entry list of names and shapes derived from upstream's FLAIRModel definition (not from this package).

@@ -7,8 +7,9 @@ import torch
 from PIL import Image
 from skimage import data as skdata
 
-from proton.vlm import VLM, load_vlm, load_weights, class_prompts, VLM_NAMES
-from proton.unimed import UniMedConfig, UniMedVLM, load_unimed
+from proton.models import MODELS, ALIASES, VLM, load_vlm, class_prompts
+from proton.models.vlm import load_weights
+from proton.models.unimed import UniMedConfig, UniMedVLM, load_unimed
 
 ARCH = "ViT-S-32"  # the smallest open_clip ViT with a 224 px input: fast to build with random weights
 PHOTOS = [skdata.astronaut(), skdata.chelsea(), skdata.retina()]
@@ -42,7 +43,7 @@ def test_unknown_name_lists_the_known_ones():
     with pytest.raises(ValueError) as e: load_vlm("biomedclip")
     assert "unknown VLM 'biomedclip'" in str(e.value)
     for name in ("flair", "unimed-clip", "quiltnet", "open_clip:<arch>/<pretrained>"): assert name in str(e.value)
-    assert set(VLM_NAMES) >= {"flair", "unimed-clip", "unimed", "quiltnet"}
+    assert set(MODELS) | set(ALIASES) >= {"flair", "unimed-clip", "unimed", "quiltnet"}
 
 
 def test_open_clip_attributes(clip):

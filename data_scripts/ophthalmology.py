@@ -10,7 +10,9 @@ Sources, sizes and licences: data_scripts/manifest.json; all three download with
 """
 import sys
 
-from common import Benchmark, Draw, View, imagenette_draw, imagenette_view, main, open_container
+from archives import View, open_container
+from common import Benchmark, imagenette_draw, imagenette_view, main
+from splits import Draw
 
 FIVES_CODES = {"N": "normal", "D": "diabetic_retinopathy", "G": "glaucoma", "A": "amd"}
 

@@ -15,7 +15,9 @@ Example:  python data_scripts/pathology.py --out data/pathology
 """
 import sys
 
-from common import Benchmark, Draw, LayoutError, View, gunzip_once, imagenette_draw, imagenette_view, main, open_container, png_bytes, safe_name
+from archives import LayoutError, View, gunzip_once, open_container, png_bytes, safe_name
+from common import Benchmark, imagenette_draw, imagenette_view, main
+from splits import Draw
 
 PCAM_LABELS = {0: "benign", 1: "malignant"}
 CRC_SEMANTIC = ("ADI", "DEB", "MUC", "MUS", "STR")

@@ -18,7 +18,9 @@ import io
 import re
 import sys
 
-from common import Benchmark, Draw, LayoutError, View, imagenette_draw, imagenette_view, main, open_container, png_bytes
+from archives import LayoutError, View, open_container, png_bytes
+from common import Benchmark, imagenette_draw, imagenette_view, main
+from splits import Draw
 
 RSNA_CLASSES = {"Normal": "normal", "Lung Opacity": "pneumonia",
                 "No Lung Opacity / Not Normal": "no_lung_opacity_not_normal"}

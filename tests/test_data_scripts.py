@@ -16,12 +16,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from proton.bench.prepared import claim_folder
 import pytest
 from PIL import Image
 
 DATA_SCRIPTS = Path(__file__).parents[1] / "data_scripts"
 sys.path.insert(0, str(DATA_SCRIPTS))
+import archives  # noqa: E402
 import common  # noqa: E402
+import fetching  # noqa: E402
+import splits  # noqa: E402
 import ophthalmology  # noqa: E402
 import pathology  # noqa: E402
 import prepare_all  # noqa: E402
@@ -95,7 +99,7 @@ def read_csv(path):
 
 
 def shipped(name):
-    return common.read_split(common.SPLITS / f"{name}.csv")
+    return splits.read_split(splits.SPLITS / f"{name}.csv")
 
 
 class FileServer:
@@ -167,7 +171,7 @@ def http_entry(url, data, **changes):
 # ------------------------------------------------------------------------------------------ manifest and splits
 
 def test_manifest_is_complete_and_matches_the_scripts():
-    manifest = common.load_manifest()
+    manifest = fetching.load_manifest()
     used = set()
     for bench in BENCHMARKS:
         bench.check()
@@ -187,11 +191,11 @@ def test_manifest_is_complete_and_matches_the_scripts():
 
 
 def test_manifest_rejects_a_malformed_checksum(tmp_path):
-    manifest = json.loads(common.MANIFEST.read_text())
+    manifest = json.loads(fetching.MANIFEST.read_text())
     manifest["sources"]["fives"]["md5"] = "not-a-checksum"
     (tmp_path / "m.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="malformed md5"):
-        common.load_manifest(tmp_path / "m.json")
+        fetching.load_manifest(tmp_path / "m.json")
 
 
 def test_the_paper_counts():
@@ -215,8 +219,8 @@ def test_shipped_splits_are_drawn_from_the_offline_listings():
         assert {r.source for r in rows} <= set(listings), "only sources whose file list is known offline ship"
         for draw in bench.draws:
             if draw.view in listings:
-                expected, _ = common.select(draw, SimpleNamespace(keys=listings[draw.view]), [], seed=0)
-                assert sorted(common.fixed_rows(draw, rows), key=str) == sorted(expected, key=str)
+                expected, _ = splits.select(draw, SimpleNamespace(keys=listings[draw.view]), [], seed=0)
+                assert sorted(splits.fixed_rows(draw, rows), key=str) == sorted(expected, key=str)
     far = {b.name: {r.original for r in shipped(b.name) if r.shift == "far"} for b in BENCHMARKS}
     assert far["ophthalmology"] < far["radiology"] == far["pathology"]
 
@@ -225,17 +229,17 @@ def test_shipped_splits_are_drawn_from_the_offline_listings():
 
 def test_rank_is_deterministic_seeded_and_prefix_consistent():
     keys = [f"k{i}" for i in range(200)]
-    assert common.rank(keys, 0, "s") == common.rank(list(reversed(keys)), 0, "s")
-    assert common.rank(keys, 0, "s") != common.rank(keys, 1, "s")
-    assert common.rank(keys, 0, "s") != common.rank(keys, 0, "t")
+    assert splits.rank(keys, 0, "s") == splits.rank(list(reversed(keys)), 0, "s")
+    assert splits.rank(keys, 0, "s") != splits.rank(keys, 1, "s")
+    assert splits.rank(keys, 0, "s") != splits.rank(keys, 0, "t")
     subset = keys[::3]
-    assert common.rank(subset, 0, "s") == [k for k in common.rank(keys, 0, "s") if k in set(subset)]
-    assert set(common.choose(dict.fromkeys(keys, "x"), 5, 0, "s")) <= set(common.choose(dict.fromkeys(keys, "x"), 50, 0, "s"))
+    assert splits.rank(subset, 0, "s") == [k for k in splits.rank(keys, 0, "s") if k in set(subset)]
+    assert set(splits.choose(dict.fromkeys(keys, "x"), 5, 0, "s")) <= set(splits.choose(dict.fromkeys(keys, "x"), 50, 0, "s"))
 
 
 def test_choose_refuses_too_few_candidates():
-    with pytest.raises(common.LayoutError, match="need 3 images but the source has only 2"):
-        common.choose({"a": "x", "b": "x"}, 3, 0, "scope")
+    with pytest.raises(archives.LayoutError, match="need 3 images but the source has only 2"):
+        splits.choose({"a": "x", "b": "x"}, 3, 0, "scope")
 
 
 # ------------------------------------------------------------------------------------------ downloads
@@ -243,10 +247,10 @@ def test_choose_refuses_too_few_candidates():
 def test_download_verifies_the_checksum(tmp_path):
     data = bytes(range(256)) * 40
     with FileServer({"/a.zip": data}) as server:
-        path = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+        path = fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
         assert path.read_bytes() == data
         assert path == tmp_path / "fixture.zip"
-        again = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+        again = fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert again == path and len(server.requests) == 1, "a verified file is not downloaded twice"
 
 
@@ -254,16 +258,16 @@ def test_a_corrupted_download_is_rejected_and_deleted(tmp_path):
     data = bytes(range(256)) * 40
     corrupted = data[:100] + b"X" + data[101:]
     with FileServer({"/a.zip": corrupted}) as server:
-        with pytest.raises(common.ChecksumError, match=r"failed its checksum and was deleted.*MD5"):
-            common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+        with pytest.raises(fetching.ChecksumError, match=r"failed its checksum and was deleted.*MD5"):
+            fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert not (tmp_path / "fixture.zip").exists() and not (tmp_path / "fixture.zip.part").exists()
 
 
 def test_a_download_of_the_wrong_size_is_rejected_without_a_checksum(tmp_path):
     data = b"x" * 1000
     with FileServer({"/a.zip": data}) as server:
-        with pytest.raises(common.ChecksumError, match="1000 bytes, the manifest says 999"):
-            common.download(http_entry(server.url + "/a.zip", data, md5=None, size_bytes=999), tmp_path, progressbar=False)
+        with pytest.raises(fetching.ChecksumError, match="1000 bytes, the manifest says 999"):
+            fetching.download(http_entry(server.url + "/a.zip", data, md5=None, size_bytes=999), tmp_path, progressbar=False)
     assert not (tmp_path / "fixture.zip").exists()
 
 
@@ -272,11 +276,11 @@ def test_a_partial_download_is_resumed_with_a_range_request(tmp_path):
     entry = http_entry(None, data)
     with FileServer({"/a.zip": data}, cut_after={"/a.zip": 200_000}) as server:
         entry["url"] = server.url + "/a.zip"
-        with pytest.raises(common.DownloadError, match="run the same command again to resume"):
-            common.download(entry, tmp_path, progressbar=False, chunk_size=16_384)
+        with pytest.raises(fetching.DownloadError, match="run the same command again to resume"):
+            fetching.download(entry, tmp_path, progressbar=False, chunk_size=16_384)
         kept = (tmp_path / "fixture.zip.part").stat().st_size
         assert 0 < kept <= 200_000
-        path = common.download(entry, tmp_path, progressbar=False, chunk_size=16_384)
+        path = fetching.download(entry, tmp_path, progressbar=False, chunk_size=16_384)
     assert path.read_bytes() == data
     assert server.requests == [("/a.zip", None), ("/a.zip", f"bytes={kept}-")]
     assert not (tmp_path / "fixture.zip.part").exists()
@@ -286,7 +290,7 @@ def test_a_server_that_ignores_ranges_makes_the_download_start_over(tmp_path):
     data = b"abcdefgh" * 1000
     (tmp_path / "fixture.zip.part").write_bytes(b"garbage")
     with FileServer({"/a.zip": data}, ranges=False) as server:
-        path = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+        path = fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert path.read_bytes() == data
 
 
@@ -294,17 +298,17 @@ def test_a_complete_part_file_is_finished_without_downloading_again(tmp_path):
     data = b"abcdefgh" * 1000
     (tmp_path / "fixture.zip.part").write_bytes(data)
     with FileServer({"/a.zip": data}) as server:
-        path = common.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+        path = fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert path.read_bytes() == data and server.requests == [("/a.zip", f"bytes={len(data)}-")]
 
 
 def test_a_local_copy_is_checked_against_the_manifest(tmp_path):
     entry = http_entry("http://127.0.0.1:9/never", b"right")
     (tmp_path / "fixture.zip").write_bytes(b"wrong")
-    with pytest.raises(common.ChecksumError, match="5 bytes|md5 is"):
-        common.fetch("fixture", dict(entry, size_bytes=None), tmp_path / "raw", local=tmp_path / "fixture.zip")
+    with pytest.raises(fetching.ChecksumError, match="5 bytes|md5 is"):
+        fetching.fetch("fixture", dict(entry, size_bytes=None), tmp_path / "raw", local=tmp_path / "fixture.zip")
     with pytest.raises(FileNotFoundError, match="no such file"):
-        common.fetch("fixture", entry, tmp_path, local=tmp_path / "missing.zip")
+        fetching.fetch("fixture", entry, tmp_path, local=tmp_path / "missing.zip")
 
 
 # ------------------------------------------------------------------------------------------ dry run
@@ -324,7 +328,7 @@ def test_dry_run_touches_no_network_and_writes_nothing(script, tmp_path, monkeyp
         assert common.main(module.BENCHMARK, argv) == 0
     printed = capsys.readouterr().out
     assert not (tmp_path / "out").exists() and not (tmp_path / "raw").exists()
-    manifest = common.load_manifest()
+    manifest = fetching.load_manifest()
     names = [b.name for b in BENCHMARKS] if script == "prepare_all" else [script]
     for bench in (b for b in BENCHMARKS if b.name in names):
         for key in bench.keys():
@@ -385,7 +389,7 @@ def ophthalmology_sources(tmp_path_factory):
              "/imagenette.tgz": imagenette_tgz(tmp / "i.tgz", far + extra).read_bytes()}
     fives = make_dir(tmp / "fives", fives_files())
     with FileServer(blobs) as server:
-        manifest = json.loads(common.MANIFEST.read_text())
+        manifest = json.loads(fetching.MANIFEST.read_text())
         for key, path in (("deepdrid", "/deepdrid.zip"), ("imagenette", "/imagenette.tgz")):
             manifest["sources"][key].update(url=server.url + path, md5=md5(blobs[path]), size_bytes=len(blobs[path]))
         (tmp / "manifest.json").write_text(json.dumps(manifest))
@@ -398,7 +402,7 @@ def served_ophthalmology(ophthalmology_sources, tmp_path):
     src = ophthalmology_sources
     src.server.requests.clear()
     split = tmp_path / "ophthalmology.csv"
-    shutil.copy(common.SPLITS / "ophthalmology.csv", split)
+    shutil.copy(splits.SPLITS / "ophthalmology.csv", split)
     base = ["--raw", str(tmp_path / "raw"), "--manifest", str(src.manifest),
             "--local", f"fives={src.fives}", "--split", str(split), "--no-progress"]
     return SimpleNamespace(server=src.server, base=base, split=split, tmp=tmp_path)
@@ -428,11 +432,11 @@ def test_ophthalmology_end_to_end(served_ophthalmology):
     assert classes["prompts"] == {"normal": ["normal"], "diabetic_retinopathy": ["diabetic retinopathy"]}
     assert classes["counts"]["id"] == {"normal": 150, "diabetic_retinopathy": 150}
     # the FIVES draws were sampled now and added to the split file; the shipped rows are untouched
-    split = common.read_split(s.split)
+    split = splits.read_split(s.split)
     assert set(shipped("ophthalmology")) < set(split) and len(split) == 900
     # a second run reuses the split file, so it writes exactly the same files
     common.run(ophthalmology.BENCHMARK, ["--out", str(out)] + s.base)
-    assert read_csv(out / "split.csv") == rows and common.read_split(s.split) == split
+    assert read_csv(out / "split.csv") == rows and splits.read_split(s.split) == split
     # and the downloads were fetched once, with their checksums verified
     assert sorted(p for p, _ in s.server.requests) == ["/deepdrid.zip", "/imagenette.tgz"]
 
@@ -456,7 +460,7 @@ def test_a_split_naming_a_missing_image_is_refused(served_ophthalmology):
     s = served_ophthalmology
     with open(s.split, "a") as f:
         f.write("fives,id,normal,train/Original/9999_N.png\n")
-    with pytest.raises(common.LayoutError, match="9999_N.png.*different version"):
+    with pytest.raises(archives.LayoutError, match="9999_N.png.*different version"):
         common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out")] + s.base)
     assert not (s.tmp / "out").exists(), "nothing is written when the selection fails"
 
@@ -464,8 +468,8 @@ def test_a_split_naming_a_missing_image_is_refused(served_ophthalmology):
 def test_fives_without_a_rar_tool_says_what_to_install(tmp_path, monkeypatch):
     (tmp_path / "FIVES.rar").write_bytes(b"Rar!\x1a\x07\x01\x00")
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.raises(common.LayoutError, match="apt-get install -y libarchive-tools"):
-        common.open_container(tmp_path / "FIVES.rar")
+    with pytest.raises(archives.LayoutError, match="apt-get install -y libarchive-tools"):
+        archives.open_container(tmp_path / "FIVES.rar")
 
 
 # ------------------------------------------------------------------------------------------ radiology
@@ -560,8 +564,8 @@ def test_radiology_without_kaggle_prints_exactly_what_to_do(tmp_path, monkeypatc
 
 
 def test_kaggle_dataset_instructions_need_no_rules():
-    entry = common.load_manifest()["sources"]["chest_ct"]
-    text = common.kaggle_instructions("chest_ct", entry, Path("/raw"))
+    entry = fetching.load_manifest()["sources"]["chest_ct"]
+    text = fetching.kaggle_instructions("chest_ct", entry, Path("/raw"))
     assert "kaggle datasets download -d anaselmasry/covid19normalpneumonia-ct-images -p /raw" in text
     assert "rules" not in text
 
@@ -622,15 +626,15 @@ def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):
                                      "__MACOSX/a/train/Original/2_N.png": b"", "a/train/Original/._3_N.png": b""})
     assert ophthalmology.fives_view({"fives": root}).keys == ["train/Original/1_N.png"]
     make_dir(root, {"copy/train/Original/1_N.png": b"1"})
-    with pytest.raises(common.LayoutError, match="two files have the key 'train/Original/1_N.png'"):
+    with pytest.raises(archives.LayoutError, match="two files have the key 'train/Original/1_N.png'"):
         ophthalmology.fives_view({"fives": root})
 
 
 def test_a_corrupt_image_in_a_source_is_named(tmp_path):
-    view = common.View(common.open_container(make_dir(tmp_path / "d", {"x/1.png": b"version https://git-lfs"})), r"x/[^/]+\.png")
+    view = archives.View(archives.open_container(make_dir(tmp_path / "d", {"x/1.png": b"version https://git-lfs"})), r"x/[^/]+\.png")
     bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
-                             (common.Draw("v", "id", ("a",), 1, lambda v: {k: "a" for k in v.keys}),))
-    with pytest.raises(common.LayoutError, match="v:x/1.png is not a readable image.*git-lfs"):
+                             (splits.Draw("v", "id", ("a",), 1, lambda v: {k: "a" for k in v.keys}),))
+    with pytest.raises(archives.LayoutError, match="v:x/1.png is not a readable image.*git-lfs"):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
 
 
@@ -638,7 +642,7 @@ def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")
     with pytest.raises(ValueError, match="not empty and was not made by these scripts"):
-        common._claim(tmp_path / "out")
+        claim_folder(tmp_path / "out")
     assert (tmp_path / "out" / "thesis.tex").read_text() == "precious"
 
 

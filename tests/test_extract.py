@@ -20,7 +20,8 @@ from skimage import data as skdata
 
 import proton.models.extract as ex
 from proton.bench.cache import EmbeddingCache
-from proton.models.extract import extract, extract_main, read_prepared, shard_path
+from proton.bench.prepared import read_prepared
+from proton.models.extract import extract, extract_main, shard_path
 from proton.models import load_vlm
 
 MODEL = "open_clip:ViT-S-32/none"  # the smallest open_clip ViT at 224 px, with random weights (seed 0)

@@ -1,0 +1,219 @@
+"""Reading the sources' archives for the data scripts: zip, tar, rar and plain folders, and views of the images in them."""
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from proton.bench.prepared import SKIPPED_FILES
+
+
+class LayoutError(ValueError):
+    """A source does not look like the dataset it should be (missing files, unknown names, too few images)."""
+
+
+# ---------------------------------------------------------------------------------------------- archives
+
+class Container:
+    """Read-only access to the files of a zip, a tar or a folder, by '/'-separated member name."""
+
+    def members(self) -> list[str]:
+        raise NotImplementedError
+
+    def read(self, member: str) -> bytes:
+        raise NotImplementedError
+
+    def read_many(self, members: Iterable[str]) -> Iterator[tuple[str, bytes]]:
+        """Yield (member, bytes) for the given members, in whatever order reads them fastest."""
+        for member in members:
+            yield member, self.read(member)
+
+
+class DirContainer(Container):
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def members(self) -> list[str]:
+        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+
+    def read(self, member: str) -> bytes:
+        return (self.root / member).read_bytes()
+
+
+class ZipContainer(Container):
+    def __init__(self, path: Path):
+        try:
+            self.zip = zipfile.ZipFile(path)
+        except zipfile.BadZipFile as err:
+            raise LayoutError(f"{path} is not a readable zip archive (truncated download?): {err}") from err
+
+    def members(self) -> list[str]:
+        return sorted(i.filename for i in self.zip.infolist() if not i.is_dir())
+
+    def read(self, member: str) -> bytes:
+        return self.zip.read(member)
+
+
+class TarContainer(Container):
+    def __init__(self, path: Path):
+        try:
+            self.tar = tarfile.open(path)
+            self.infos = {i.name: i for i in self.tar.getmembers() if i.isfile()}
+        except (tarfile.TarError, EOFError, OSError) as err:
+            raise LayoutError(f"{path} is not a readable tar archive (truncated download?): {err}") from err
+
+    def members(self) -> list[str]:
+        return sorted(self.infos)
+
+    def read(self, member: str) -> bytes:
+        return self.tar.extractfile(self.infos[member]).read()
+
+    def read_many(self, members):
+        # a compressed tar only seeks forward cheaply, so read in archive order
+        for member in sorted(members, key=lambda m: self.infos[m].offset_data):
+            yield member, self.read(member)
+
+
+RAR_TOOLS = (  # tried in this order; 7z builds without the non-free RAR codec fail and the next tool is tried
+    ("bsdtar", lambda src, dst: ["bsdtar", "-xf", str(src), "-C", str(dst)]),
+    ("unrar", lambda src, dst: ["unrar", "x", "-o+", "-idq", str(src), f"{dst}{os.sep}"]),
+    ("7z", lambda src, dst: ["7z", "x", "-y", f"-o{dst}", str(src)]),
+    ("7zz", lambda src, dst: ["7zz", "x", "-y", f"-o{dst}", str(src)]),
+    ("unar", lambda src, dst: ["unar", "-q", "-f", "-o", str(dst), str(src)]),
+)
+
+
+def extract_rar(path: Path) -> Path:
+    """Extract a RAR archive once into ``<archive>.d`` with the first external tool that manages it."""
+    dest = path.with_name(path.name + ".d")
+    if (dest / ".complete").exists():
+        return dest
+    tools = [(name, cmd) for name, cmd in RAR_TOOLS if shutil.which(name)]
+    if not tools:
+        raise LayoutError(f"{path} is a RAR archive and no extractor was found (tried "
+                          f"{', '.join(n for n, _ in RAR_TOOLS)}). Install one, e.g. "
+                          "`apt-get install -y libarchive-tools` (bsdtar) or `apt-get install -y unrar`, "
+                          "or extract it yourself and pass the folder with --local")
+    failures = []
+    for name, cmd in tools:
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        result = subprocess.run(cmd(path, dest), capture_output=True, text=True)
+        if result.returncode == 0:
+            (dest / ".complete").touch()
+            return dest
+        failures.append(f"{name}: exit {result.returncode} {result.stderr.strip()[-300:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    raise LayoutError(f"could not extract {path}:\n  " + "\n  ".join(failures))
+
+
+def open_container(path: Path) -> Container:
+    """A folder, zip, tar (.tar, .tgz, .tar.gz) or RAR archive as a ``Container``."""
+    path = Path(path)
+    if path.is_dir():
+        return DirContainer(path)
+    name = path.name.lower()
+    if name.endswith(".zip"):
+        return ZipContainer(path)
+    if name.endswith((".tar", ".tgz", ".tar.gz")):
+        return TarContainer(path)
+    if name.endswith(".rar"):
+        return DirContainer(extract_rar(path))
+    raise LayoutError(f"{path}: unknown archive type (expected a folder, .zip, .tar, .tgz or .rar)")
+
+
+class View:
+    """The images of one source: a container's members that match ``pattern``, keyed by the pattern's ``key`` group.
+
+    The key is the member's path from a fixed anchor of the dataset's layout on, so it does not depend on
+    the folder an archive happens to be wrapped in; split files store keys.
+    """
+
+    def __init__(self, container: Container, # where the files are
+                 pattern: str, # regex searched in each member name; its group `key` is the image's key
+                 flags: int = 0, # regex flags, e.g. re.IGNORECASE
+                 rename: Callable[[str], str] | None = None, # key -> output file name; default: the key's base name
+                 convert: Callable[[bytes], bytes] | None = None, # turns a member's bytes into an image file's bytes
+                 ):
+        self.container, self.rename, self.convert = container, rename, convert
+        regex = re.compile(r"(?:^|/)(?P<key>" + pattern + r")$", flags)
+        self.members = {}
+        for member in container.members():
+            parts = member.split("/")
+            if parts[-1] in SKIPPED_FILES or parts[-1].startswith("._") or "__MACOSX" in parts:
+                continue
+            match = regex.search(member)
+            if match:
+                key = match.group("key")
+                if key in self.members:
+                    raise LayoutError(f"two files have the key {key!r}: {self.members[key]!r} and {member!r}")
+                self.members[key] = member
+
+    @property
+    def keys(self) -> list[str]:
+        return sorted(self.members)
+
+    def find(self, pattern: str) -> bytes:
+        """The bytes of the one member whose name ends with ``pattern`` (an auxiliary file such as a label table)."""
+        regex = re.compile(r"(?:^|/)" + pattern + r"$")
+        found = [m for m in self.container.members() if regex.search(m) and "__MACOSX" not in m]
+        if len(found) != 1:
+            raise LayoutError(f"expected one file matching {pattern!r}, found {len(found)}: {found[:5]}")
+        return self.container.read(found[0])
+
+    def output_name(self, key: str) -> str:
+        return safe_name(self.rename(key) if self.rename else key.rsplit("/", 1)[-1])
+
+    def read_many(self, keys: Iterable[str]) -> Iterator[tuple[str, bytes]]:
+        by_member = {self.members[k]: k for k in keys}
+        for member, data in self.container.read_many(by_member):
+            yield by_member[member], self.convert(data) if self.convert else data
+
+
+def safe_name(name: str) -> str:
+    """A file name with only letters, digits, '.', '_' and '-' (others become '_')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def gunzip_once(path: Path) -> Path:
+    """Decompress ``x.gz`` next to itself once (atomically) and return the decompressed path; other paths pass through."""
+    path = Path(path)
+    if path.suffix != ".gz":
+        return path
+    out = path.with_suffix("")
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, out)
+    return out
+
+
+def png_bytes(array) -> bytes:
+    """Encode a (H, W) or (H, W, 3) uint8 array as PNG."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def check_image(data: bytes, what: str) -> None:
+    """Raise ``LayoutError`` unless ``data`` is an image PIL can open (catches truncated files and Git LFS pointers)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        head = data[:40]
+        raise LayoutError(f"{what} is not a readable image ({err}); it starts with {head!r}") from err
+
+

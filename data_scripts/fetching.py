@@ -1,0 +1,269 @@
+"""Downloads and their verification for the data scripts: the manifest, resumable checksum-verified HTTP downloads, Kaggle.
+
+Only the standard library is imported at module level; ``pooch``, ``requests`` and ``tqdm`` (the ``data`` extra) are
+imported where they are used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MANIFEST = HERE / "manifest.json"
+
+
+class ChecksumError(ValueError):
+    """A file's checksum or size differs from the manifest."""
+
+
+class DownloadError(OSError):
+    """A download stopped before the end; running the same command again resumes it."""
+
+
+class LoginRequired(RuntimeError):
+    """A source needs an account (Kaggle); the message says exactly what to do."""
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+
+REQUIRED_FIELDS = ("title", "page", "download", "filename", "size_bytes", "approx_size", "sha256", "md5",
+                   "licence", "login", "used_for", "why")
+
+
+def load_manifest(path: Path | str | None = None, # a manifest.json; None: the one beside this file
+                  ) -> dict:
+    """Read and check the manifest of sources."""
+    path = Path(path or MANIFEST)
+    manifest = json.loads(path.read_text())
+    for key, entry in manifest["sources"].items():
+        missing = [f for f in REQUIRED_FIELDS if f not in entry]
+        if missing:
+            raise ValueError(f"manifest {path}: source {key!r} lacks fields {missing}")
+        if entry["download"] not in ("http", "kaggle-competition", "kaggle-dataset"):
+            raise ValueError(f"manifest {path}: source {key!r} has unknown download kind {entry['download']!r}")
+        if entry["download"] == "http" and not entry.get("url"):
+            raise ValueError(f"manifest {path}: source {key!r} is downloaded over http but has no url")
+        if entry["download"] != "http" and not entry.get("kaggle"):
+            raise ValueError(f"manifest {path}: source {key!r} needs a 'kaggle' slug")
+        for alg, length in (("sha256", 64), ("md5", 32)):
+            value = entry[alg]
+            if value is not None and not re.fullmatch(rf"[0-9a-f]{{{length}}}", value):
+                raise ValueError(f"manifest {path}: source {key!r} has a malformed {alg} {value!r}")
+    return manifest
+
+
+def known_hash(entry: dict) -> str | None:
+    """The strongest checksum the manifest knows for a source, in pooch's ``alg:hex`` form (None when unknown)."""
+    if entry["sha256"]:
+        return f"sha256:{entry['sha256']}"
+    if entry["md5"]:
+        return f"md5:{entry['md5']}"
+    return None
+
+
+def file_hash(path: Path, alg: str) -> str:
+    """Hex digest of a file, read in blocks."""
+    digest = hashlib.new(alg)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(path: Path, # a local file
+           entry: dict, # its manifest entry
+           ) -> None:
+    """Raise ``ChecksumError`` unless the file has the manifest's size and checksum (checks only what is known)."""
+    size = path.stat().st_size
+    if entry["size_bytes"] is not None and size != entry["size_bytes"]:
+        raise ChecksumError(f"{path}: {size} bytes, but the manifest says {entry['size_bytes']}; "
+                            "delete it and run again to download it afresh")
+    expected = known_hash(entry)
+    if expected is not None:
+        alg, hexdigest = expected.split(":")
+        actual = file_hash(path, alg)
+        if actual != hexdigest:
+            raise ChecksumError(f"{path}: {alg} is {actual}, but the manifest says {hexdigest}; "
+                                "the file is corrupt or a different version: delete it and run again")
+
+
+# ---------------------------------------------------------------------------------------------- download
+
+class ResumableDownloader:
+    """A pooch downloader that keeps the bytes received so far in ``<file>.part`` and resumes them with an HTTP Range request."""
+
+    def __init__(self, part: Path, # where the bytes received so far are kept between runs
+                 progressbar: bool = True, # show a tqdm bar
+                 chunk_size: int = 1 << 20, # bytes per read
+                 timeout: float = 60.0, # seconds without data before giving up
+                 ):
+        self.part, self.progressbar, self.chunk_size, self.timeout = Path(part), progressbar, chunk_size, timeout
+
+    def __call__(self, url, output_file, pooch, check_only=False):
+        import requests
+
+        if check_only:
+            return requests.head(url, timeout=self.timeout, allow_redirects=True).status_code == 200
+        done = self.part.stat().st_size if self.part.exists() else 0
+        headers = {"Range": f"bytes={done}-"} if done else {}
+        try:
+            with requests.get(url, headers=headers, stream=True, timeout=self.timeout) as response:
+                total = self._receive(response, done)
+        except requests.RequestException as err:
+            have = self.part.stat().st_size if self.part.exists() else 0
+            raise DownloadError(f"download of {url} stopped after {have} bytes ({err}); "
+                                "run the same command again to resume") from err
+        size = self.part.stat().st_size
+        if total is not None and size != total:
+            raise DownloadError(f"download of {url} ended after {size} of {total} bytes; "
+                                "run the same command again to resume")
+        os.replace(self.part, output_file)
+
+    def _receive(self, response, done: int) -> int | None:
+        """Append (206) or rewrite (200) the part file from a response; return the expected total size."""
+        if response.status_code == 416:  # nothing after `done`: the part file already holds everything
+            total = _content_range_total(response.headers.get("Content-Range", ""))
+            if total is None or total != done:
+                self.part.unlink()
+                raise DownloadError(f"server refused to resume at byte {done}; the partial file was "
+                                    "removed, run again to start over")
+            return total
+        response.raise_for_status()
+        if response.status_code == 202:
+            raise DownloadError(f"{response.url} answered 202 Accepted without the file (the host is "
+                                "preparing it); wait a minute and run again")
+        if response.status_code == 206:
+            start = _content_range_start(response.headers.get("Content-Range", ""))
+            if start != done:
+                raise DownloadError(f"server resumed at byte {start}, expected {done}; delete {self.part}")
+            total, mode = _content_range_total(response.headers["Content-Range"]), "ab"
+        else:  # 200: the server ignored the Range header, so start over
+            done, mode = 0, "wb"
+            length = response.headers.get("Content-Length")
+            total = int(length) if length is not None else None
+        from tqdm.auto import tqdm
+
+        with open(self.part, mode) as f, tqdm(total=total, initial=done, unit="B", unit_scale=True,
+                                              unit_divisor=1024, desc=self.part.name[:-5],
+                                              disable=not self.progressbar) as bar:
+            for chunk in response.iter_content(chunk_size=self.chunk_size):
+                f.write(chunk)
+                bar.update(len(chunk))
+        return total
+
+
+def _content_range_start(value: str) -> int | None:
+    match = re.match(r"bytes (\d+)-\d+/", value)
+    return int(match.group(1)) if match else None
+
+
+def _content_range_total(value: str) -> int | None:
+    match = re.search(r"/(\d+)\s*$", value)
+    return int(match.group(1)) if match else None
+
+
+def download(entry: dict, # manifest entry of an http source
+             raw: Path, # folder for downloads
+             progressbar: bool = True, # show a tqdm bar
+             chunk_size: int = 1 << 20, # bytes per read
+             ) -> Path:
+    """Download a source with pooch (resuming a partial file), check its checksum and size, and return its path."""
+    import pooch
+
+    raw = Path(raw)
+    raw.mkdir(parents=True, exist_ok=True)
+    part = raw / f"{entry['filename']}.part"
+    downloader = ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)
+    try:
+        path = Path(pooch.retrieve(entry["url"], known_hash=known_hash(entry), fname=entry["filename"],
+                                   path=raw, downloader=downloader, progressbar=progressbar))
+    except ValueError as err:  # pooch's hash mismatch: it has already deleted the bad file
+        raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {err}") from err
+    size = path.stat().st_size
+    if entry["size_bytes"] is not None and size != entry["size_bytes"]:
+        path.unlink()
+        raise ChecksumError(f"{entry['filename']} has {size} bytes, the manifest says {entry['size_bytes']}; "
+                            "it was deleted, run again to download it afresh")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- kaggle
+
+def kaggle_command(entry: dict, raw: Path) -> list[str]:
+    """The ``kaggle`` command line that downloads a source into ``raw``."""
+    if entry["download"] == "kaggle-competition":
+        return ["kaggle", "competitions", "download", "-c", entry["kaggle"], "-p", str(raw)]
+    return ["kaggle", "datasets", "download", "-d", entry["kaggle"], "-p", str(raw)]
+
+
+def kaggle_credentials_present() -> bool:
+    """Whether the kaggle client will find credentials (checks only that they exist, never reads them)."""
+    if os.environ.get("KAGGLE_API_TOKEN") or (os.environ.get("KAGGLE_USERNAME") and os.environ.get("KAGGLE_KEY")):
+        return True
+    folders = [Path(os.environ["KAGGLE_CONFIG_DIR"])] if os.environ.get("KAGGLE_CONFIG_DIR") else []
+    folders += [Path.home() / ".kaggle", Path.home() / ".config" / "kaggle"]
+    return any((d / name).is_file() for d in folders for name in ("kaggle.json", "access_token"))
+
+
+def kaggle_instructions(key: str, entry: dict, raw: Path) -> str:
+    """Step-by-step text telling a user how to get a Kaggle source."""
+    steps = [
+        f"Source {key!r} ({entry['title']}) is on Kaggle and needs a free Kaggle account:",
+        "  1. Sign in at https://www.kaggle.com, open https://www.kaggle.com/settings, section 'API', and click",
+        "     'Create New Token'. This downloads kaggle.json.",
+        "  2. Put it where the client looks and make it private:",
+        "       mkdir -p ~/.kaggle && mv ~/Downloads/kaggle.json ~/.kaggle/ && chmod 600 ~/.kaggle/kaggle.json",
+        "     (on Colab: upload kaggle.json with the file browser, then run the same commands on /content/kaggle.json;",
+        "      or set the environment variables KAGGLE_USERNAME and KAGGLE_KEY, or KAGGLE_API_TOKEN for a new-style token)",
+    ]
+    n = 3
+    if entry["download"] == "kaggle-competition":
+        steps += [f"  {n}. Accept the competition rules once, in a browser while signed in (without this the download",
+                  f"     answers 403 Forbidden): {entry['page']}/rules  -> 'I Understand and Accept'"]
+        n += 1
+    steps += [f"  {n}. Install the client:  pip install kaggle",
+              f"  {n + 1}. Download (about {entry['approx_size']}):",
+              f"       {' '.join(kaggle_command(entry, raw))}",
+              f"  {n + 2}. Run this script again; it finds {raw / entry['filename']}."]
+    return "\n".join(steps)
+
+
+def fetch_kaggle(key: str, entry: dict, raw: Path) -> Path:
+    """Return a Kaggle source's archive, downloading it with the kaggle client when credentials exist."""
+    path = Path(raw) / entry["filename"]
+    if path.exists():
+        return path
+    if shutil.which("kaggle") is None or not kaggle_credentials_present():
+        raise LoginRequired(kaggle_instructions(key, entry, raw))
+    Path(raw).mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(kaggle_command(entry, raw))
+    if result.returncode != 0 or not path.exists():
+        raise LoginRequired(f"`{' '.join(kaggle_command(entry, raw))}` failed (exit code {result.returncode}).\n"
+                            + kaggle_instructions(key, entry, raw))
+    return path
+
+
+def fetch(key: str, # manifest key
+          entry: dict, # its manifest entry
+          raw: Path, # folder for downloads
+          local: Path | None = None, # a file or folder the user already has: used instead of downloading
+          progressbar: bool = True, # show tqdm bars
+          ) -> Path:
+    """Return a local path for a source: the user's copy, the cached download, or a fresh download."""
+    if local is not None:
+        local = Path(local).expanduser()
+        if not local.exists():
+            raise FileNotFoundError(f"--local {key}={local}: no such file or folder")
+        if local.is_file() and local.name == entry["filename"]:
+            verify(local, entry)
+        return local
+    if entry["download"] == "http":
+        return download(entry, raw, progressbar=progressbar)
+    return fetch_kaggle(key, entry, raw)
+
+

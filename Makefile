@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 
-.PHONY: book test test-nbs test-py test-site test-colab check-export browser bench clean
+.PHONY: book test test-nbs test-py test-site test-colab check-export browser perf clean
 
 $(STAMP): setup.py settings.ini pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,8 +47,8 @@ browser:
 test-colab: $(STAMP)
 	PROTON_COLAB_TEST=1 $(BIN)/python -m pytest tests/test_colab_like.py -q
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py
+perf: $(STAMP)
+	$(BIN)/python perf/run.py
 
 clean:
 	rm -rf _build

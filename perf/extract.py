@@ -1,6 +1,6 @@
 """Throughput of embedding extraction (`proton.models.extract`): images per second, forward only versus end to end.
 
-Run on a GPU machine: `python benchmarks/extract.py --device cuda`. Anywhere: `python benchmarks/extract.py --quick`
+Run on a GPU machine: `python perf/extract.py --device cuda`. Anywhere: `python perf/extract.py --quick`
 (tiny counts; on a CPU the numbers describe that CPU, not a GPU). Two models, with random weights unless a FLAIR
 checkpoint is given (the speed of a network does not depend on the values of its weights):
 - FLAIR (ResNet-50) at 512x512, on PNG files shaped like FIVES' 2048x2048 fundus photographs;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-shot check on a lent GPU machine (H100/H200, no internet), run from the repository root:
-#   bash benchmarks/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
+#   bash perf/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
 # Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_vit_cuda.json, extract_flair_cuda.json.
-# Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine benchmark on CUDA,
+# Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction throughput (ViT-B/32, then FLAIR).
 # Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step that fails or
 # times out is logged and the next one runs.
@@ -48,12 +48,12 @@ for m in ("proton", "proton.cli", "proton.bench.evaluation", "proton.models.extr
 # b. CUDA parity of the engine: the tests run on the device named by PROTON_TEST_DEVICE
 step "b. parity tests" 150 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -x -rs -p no:cacheprovider tests/test_engine.py tests/test_reference.py
 
-# c. stream-engine benchmark
-step "c. engine benchmark" 200 python3 benchmarks/run.py --device $DEV --json "$OUT/bench_cuda.json"
+# c. stream-engine performance
+step "c. engine performance" 200 python3 perf/run.py --device $DEV --json "$OUT/bench_cuda.json"
 
 # c2. chunk size on the GPU: the engine's throughput at N=10^7, C=2, for chunks of 2^16 to 2^21 images
 step "c2. chunk sizes" 60 python3 -c '
-import sys, time, json, torch; sys.path.insert(0, "benchmarks")
+import sys, time, json, torch; sys.path.insert(0, "perf")
 import proton.engine as engine
 from proton import Proton
 from run import stream
@@ -66,10 +66,10 @@ for size in (1 << 16, 1 << 18, 1 << 20, 1 << 21):
     print(json.dumps(dict(chunk=size, n=len(X), samples_per_s=round(len(X) / best), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))))'
 
 # e. the whole experiment suite from an embedding cache (5,000 synthetic images, d=512); proton-ood evaluate runs on the CPU
-step "e. suite end to end" 120 python3 benchmarks/suite.py --n-id 2000 --n-per-shift 1000 --timeout 105 --json "$OUT/suite.json"
+step "e. suite end to end" 120 python3 perf/suite.py --n-id 2000 --n-per-shift 1000 --timeout 105 --json "$OUT/suite.json"
 
 # d. extraction throughput: ViT-B/32 on 1,024 JPEGs, then FLAIR on 128 PNGs of 1024x1024 (writing 2048x2048 PNGs takes ~1 s each)
-step "d. extract ViT-B/32" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 1024 --batch-size 64 --repeats 2 --json "$OUT/extract_vit_cuda.json"
-step "d. extract FLAIR" 100 python3 benchmarks/extract.py --device $DEV --models flair --n 128 --batch-size 64 --repeats 1 --fundus-size 1024 --json "$OUT/extract_flair_cuda.json"
+step "d. extract ViT-B/32" 80 python3 perf/extract.py --device $DEV --models vit-b-32 --n 1024 --batch-size 64 --repeats 2 --json "$OUT/extract_vit_cuda.json"
+step "d. extract FLAIR" 100 python3 perf/extract.py --device $DEV --models flair --n 128 --batch-size 64 --repeats 1 --fundus-size 1024 --json "$OUT/extract_flair_cuda.json"
 
 echo "=== done in ${SECONDS}s; files: $(cd "$OUT" && ls | tr '\n' ' ')" | tee -a "$LOG"

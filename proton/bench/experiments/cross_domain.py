@@ -7,7 +7,7 @@ __all__ = ['DOMAIN_MODELS', 'REPORTED_COVARIATE_AUROC', 'cross_domain']
 
 # %% ../../../nbs/29_cross_domain.ipynb
 from ..evaluation import evaluate, import_pandas
-from ..cache import EmbeddingCache
+from ..cache import EmbeddingCache, check_cache
 from ...detector import ProtonConfig
 
 # %% ../../../nbs/29_cross_domain.ipynb
@@ -28,8 +28,7 @@ def cross_domain(caches:dict, # {domain name: EmbeddingCache}, one cache per dom
                  **options): # further arguments of `evaluate`: rho, shifts, held_out_fraction, ...
     "Experiment 6: `evaluate` on each domain's cache, stacked into one tidy table with a leading `domain` column."
     if not isinstance(caches, dict) or not caches: raise ValueError("caches must be a non-empty dict {domain name: EmbeddingCache}")
-    bad = [name for name, c in caches.items() if not isinstance(c, EmbeddingCache)]
-    if bad: raise TypeError(f"caches must map domain names to EmbeddingCache objects; {bad} do not")
+    for name, c in caches.items(): check_cache(c, f"caches[{name!r}]")
     frames = []
     for name, cache in caches.items():
         df = evaluate(cache, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **options)

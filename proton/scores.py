@@ -21,8 +21,9 @@ def as_tensor(x, # numpy array, torch tensor or nested list
               device=None, # device to place the result on; None keeps `x`'s
               name:str="input", # what `x` is, used in error messages
               check_finite:bool=True): # refuse NaN and Inf entries
-    "`x` as a floating torch tensor, refusing NaN and Inf."
-    t = x if isinstance(x, Tensor) else torch.as_tensor(np.ascontiguousarray(x))
+    "`x` as a floating torch tensor without autograd history, refusing NaN, Inf, booleans and complex numbers."
+    t = x.detach() if isinstance(x, Tensor) else torch.as_tensor(np.ascontiguousarray(x))  # scoring records no autograd history
+    if t.dtype == torch.bool or t.is_complex(): raise ValueError(f"{name} must be real numbers, got dtype {t.dtype}")
     t = t.to(device=device, dtype=dtype or (t.dtype if t.is_floating_point() else torch.float32))
     if not check_finite: return t
     bad = ~torch.isfinite(t)
@@ -40,7 +41,7 @@ def as_rows(x, # (N, d) or (d,) vectors, numpy or torch
             device=None, # device to place the result on
             name:str="embeddings"): # what `x` is, used in error messages
     "`x` as a checked (N, d) floating tensor, and its (N,) row lengths."
-    t = as_tensor(x, dtype, device, check_finite=False)  # the row lengths reveal NaN and Inf more cheaply
+    t = as_tensor(x, dtype, device, name, check_finite=False)  # the row lengths reveal NaN and Inf more cheaply
     if t.ndim == 1: t = t.reshape(0, dim or 0) if t.numel() == 0 else t[None]
     if t.ndim != 2: raise ValueError(f"{name} must have shape (N, d) or (d,), got {tuple(t.shape)}")
     if dim is not None and t.shape[1] != dim:

@@ -129,11 +129,20 @@ def test_tampered_but_valid_archive_is_a_checksum_mismatch(tmp_path):
     np.savez(tmp_path / "t.npz", **entries)
     with pytest.raises(CorruptCacheError, match="checksum mismatch"):
         EmbeddingCache.load(tmp_path / "t.npz")
+
+
+def test_a_tampered_header_alone_is_a_checksum_mismatch(tmp_path):
+    "Only the header changes (the arrays are the saved ones), so the mismatch can only come from the header being hashed."
+    path = CACHE.save(tmp_path / "c.npz")
+    with np.load(path, allow_pickle=False) as npz:
+        entries = {k: npz[k] for k in npz.files}
     header = json.loads(str(entries["header"]))
     header["metadata"]["model"] = "something else"
     np.savez(tmp_path / "m.npz", **(entries | {"header": np.array(json.dumps(header))}))
     with pytest.raises(CorruptCacheError, match="checksum mismatch"):
         EmbeddingCache.load(tmp_path / "m.npz")
+    np.savez(tmp_path / "same.npz", **entries)
+    assert EmbeddingCache.load(tmp_path / "same.npz").metadata == CACHE.metadata  # untouched entries load
 
 
 def test_not_a_cache(tmp_path):
@@ -285,6 +294,8 @@ def test_label_and_shift_inconsistencies_are_refused(labels, shift, message):
     (dict(temperature=float("nan")), "temperature must be positive and finite"),
     (dict(metadata={"x": float("nan")}), "metadata must be JSON-serialisable"),
     (dict(class_names=["a", "b", 3]), r"class_names must hold strings, but entries \[2\]"),
+    (dict(temperature="0.05"), "temperature must be a positive, finite number, got '0.05'"),
+    (dict(temperature=True), "temperature must be a positive, finite number, got True"),
 ])
 def test_bad_fields_are_refused_naming_them(change, message):
     with pytest.raises(ValueError, match=message):
@@ -402,3 +413,16 @@ def test_misrouting_stays_exact_for_images_on_the_decision_boundary():
                        shift=["id"] * len(E), temperature=0.01)
     bad = misroute(c, 0.25)
     assert (bad.predicted() != 0).sum() == round(0.25 * len(E))
+
+
+def test_what_the_detector_would_refuse_is_refused_at_construction():
+    "Zero-length rows, two classes with the same text embedding, or no images at all fail later; they fail here instead."
+    E = small().image_embeddings.copy(); E[4] = 0
+    with pytest.raises(ValueError, match=r"image_embeddings rows \[4\] have zero length"): small(image_embeddings=E)
+    T = small().text_embeddings.copy(); T[2] = 0
+    with pytest.raises(ValueError, match=r"text_embeddings rows \[2\] have zero length"): small(text_embeddings=T)
+    T = small().text_embeddings.copy(); T[2] = 3 * T[0]
+    with pytest.raises(ValueError, match=r"text_embeddings rows 0 and 2 point the same way"): small(text_embeddings=T)
+    c = small()
+    with pytest.raises(ValueError, match="a cache needs at least one image"):
+        small(image_embeddings=c.image_embeddings[:0], labels=c.labels[:0], shift=c.shift[:0], source=None, local_embeddings=None)

@@ -102,11 +102,12 @@ def test_restore_mid_stream_through_a_file(tmp_path):
 
 @pytest.mark.parametrize("key, value, message", [
     ("format", "proton-state-0", "unknown state format"),
-    ("counts", torch.tensor([11, 0, 0]), r"state counts must be 3 integers in \[0, 10\]"),
+    ("counts", torch.tensor([11, 0, 0]), r"state counts \[11, 0, 0\] must lie in \[0, 10\]"),
     ("bank", torch.zeros(3, 9, 16), r"state bank has shape \(3, 9, 16\)"),
     ("welford", torch.tensor([-1.0, 0, 0], dtype=torch.float64), "welford moments"),
     ("welford", torch.tensor([3.0, np.nan, 0], dtype=torch.float64), "NaN"),
-    ("text_embeddings", torch.zeros(2, 16), "different text embeddings"),
+    ("text_embeddings", torch.zeros(2, 16), r"state text embeddings has shape \(2, 16\), expected \(3, 16\)"),
+    ("text_embeddings", torch.ones(3, 16) / 4, "state was saved for other text embeddings"),
 ])
 def test_corrupt_state_is_refused(key, value, message):
     det = Proton(T, CFG); det.score(E[:60])

@@ -64,3 +64,37 @@ def test_batch_boundaries_do_not_matter(seed):
     assert torch.equal(torch.cat([p.enqueued for p in parts]), whole.enqueued)
     assert max_abs_diff(torch.cat([p.score for p in parts]), whole.score) <= 1e-12
     assert torch.equal(det.bank.entries, one.bank.entries) and torch.equal(det.bank.counts, one.bank.counts)
+
+
+def tie_stream(n=240, seed=0):
+    "Two axis-aligned classes; every third image sits exactly between them, so its confidence is exactly 1/2 on every path."
+    rng = np.random.default_rng(seed)
+    T = np.eye(2, 8)
+    E = T[rng.integers(0, 2, n)] + rng.normal(size=(n, 8)) / 3
+    E[::3] = T[0] + T[1]
+    return T, E
+
+
+PATH_CASES = {  # name: (config, stream)
+    "confidence-exactly-at-gamma": (dict(gamma=0.5, bank_size=4, k_min=2, temperature=0.1), tie_stream()),
+    "calibration-boundary": (dict(gamma=0.6, bank_size=3, k_min=3, temperature=0.1), tie_stream(seed=1)),
+    "clustered": (dict(bank_size=5, k_min=2, temperature=0.2), clustered_stream(3, 16, 300, seed=7)),
+}
+PATHS = {  # how the stream is fed to the detector
+    "one image at a time": lambda det, E: [det.score(e) for e in E],
+    "small batches": lambda det, E: [det.score(E[a:a + 7]) for a in range(0, len(E), 7)],
+    "one call": lambda det, E: [det.score(E)],
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_each_path_matches_reference(case, path):
+    "Every scoring path on its own against the reference, so that a mistake made alike in all paths is still caught."
+    cfg, (T, E) = PATH_CASES[case]
+    ref_score, _, _, _, ref_cal, ref_enq = reference_proton(T, E, **cfg)
+    det = Proton(T, ProtonConfig(**cfg))
+    got = torch.cat(PATHS[path](det, E))
+    assert max_abs_diff(got, ref_score) <= 1e-10
+    if case == "confidence-exactly-at-gamma": assert ref_enq[::3].all()  # the inclusive gate admits confidences equal to γ
+    if case == "calibration-boundary": assert 0 < ref_cal.mean() < 1

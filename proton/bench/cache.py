@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..scores import as_unit_rows, check_temperature
+from ..scores import MIN_NORM, as_unit_rows, check_temperature
 from .synth import SHIFTS, SyntheticWorld
 
 # %% ../../nbs/20_cache.ipynb
@@ -62,6 +62,18 @@ def _check_labels(labels, shift, n_classes):
         raise ValueError(f"labels and shift disagree: rows {id_without_class[:5].tolist()} have shift 'id' but label -1; ID images need their class")
 
 # %% ../../nbs/20_cache.ipynb
+def _check_directions(E:np.ndarray, # (N, d) image embeddings
+                      T:np.ndarray): # (C, d) text embeddings
+    "Raise unless every row can be normalised and no two classes share a text direction (the detector could not tell them apart)."
+    for name, X in (("image_embeddings", E), ("text_embeddings", T)):
+        short = np.flatnonzero(np.linalg.norm(X.astype(np.float64), axis=1) < MIN_NORM)
+        if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length and cannot be L2-normalised")
+    U = T.astype(np.float64); U = U / np.linalg.norm(U, axis=1, keepdims=True)
+    i, j = np.triu_indices(len(U), 1)
+    same = np.flatnonzero((U[i] * U[j]).sum(1) > 1 - 1e-12)
+    if len(same): raise ValueError(f"text_embeddings rows {i[same[0]]} and {j[same[0]]} point the same way: two classes with one text embedding cannot be told apart")
+
+# %% ../../nbs/20_cache.ipynb
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class EmbeddingCache:
     "Image and text embeddings of one model on one benchmark, with labels and shift types; validated on construction."
@@ -82,6 +94,8 @@ class EmbeddingCache:
         (N, d), C = E.shape, len(T)
         if C == 0: raise ValueError("text_embeddings must hold at least one class, got shape (0, d)")
         if T.shape[1] != d: raise ValueError(f"text_embeddings have dimension {T.shape[1]}, but image_embeddings have {d}")
+        if N == 0: raise ValueError(f"a cache needs at least one image, got image_embeddings of shape {E.shape}")
+        _check_directions(E, T)
         names = _strings(self.class_names, "class_names", C)
         if len(set(names)) < C: raise ValueError(f"class_names must be unique, got {list(names)}")
         labels = _array(self.labels, "labels")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from archives import LayoutError, View, check_image, open_container
-from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, known_hash, load_manifest
+from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
 from proton.bench.prepared import claim_folder, image_path, write_classes_file, write_split_table
 from proton.bench.synth import SHIFTS
 from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
@@ -55,6 +55,7 @@ def prepare(bench: Benchmark, # what to prepare
             seed: int = 0, # sampling seed for draws the split file does not fix
             limit: int | None = None, # at most this many images per draw (smoke tests; the split file is left alone)
             progressbar: bool = True, # show tqdm bars
+            sources: dict | None = None, # manifest key -> how the file was verified and its SHA-256, for classes.json
             ) -> list[dict]:
     """Select every draw's images, write them under ``out`` with split.csv and classes.json; return the split.csv rows."""
     from tqdm.auto import tqdm
@@ -84,13 +85,13 @@ def prepare(bench: Benchmark, # what to prepare
             (out / target).write_bytes(data)
             table.append({"file": target, "shift": row.shift, "label": row.label, "source": view_name})
     table = write_split_table(out, table)
-    write_classes(bench, out, table, seed)
+    write_classes(bench, out, table, seed, sources or {})
     if new and limit is None:
         write_split(split, shipped + new)
     return table
 
 
-def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int) -> None:
+def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sources: dict) -> None:
     """Write ``classes.json``: ID classes in label order, prompts, counts per shift and label."""
     counts: dict = {}
     for r in table:
@@ -99,7 +100,7 @@ def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int) -> 
     write_classes_file(out, bench.classes, bench.class_names, {c: [name] for c, name in zip(bench.classes, bench.class_names)},
                        benchmark=bench.name, prompt_template=bench.prompt_template,
                        templated_prompts={c: [bench.prompt_template.format(name)] for c, name in zip(bench.classes, bench.class_names)},
-                       ood_to_id=bench.ood_to_id, counts=counts, seed=seed)
+                       ood_to_id=bench.ood_to_id, counts=counts, seed=seed, sources=sources)
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -152,8 +153,7 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
         lines.append(f"  {key}: {e['title']}")
         lines.append(f"    size     {e['approx_size']}" + (f" ({e['size_bytes']} bytes)" if e["size_bytes"] else ""))
         lines.append(f"    licence  {e['licence']}")
-        checksum = known_hash(e)
-        lines.append(f"    checksum {checksum or 'none published (size checked where known)'}")
+        lines.append(f"    verified  {verification(e)}")
         dest = raw / e["filename"]
         if key in local:
             lines.append(f"    use      {local[key]} (--local)")
@@ -208,8 +208,9 @@ def run(bench: Benchmark, # the benchmark to prepare
     if missing:
         raise LoginRequired("\n\n".join(missing))
     views = {name: opener(paths) for name, (_, opener) in bench.views.items()}
+    sources = {key: provenance(manifest["sources"][key], path) for key, path in paths.items()}
     return prepare(bench, views, args.out, args.split, seed=args.seed, limit=args.limit,
-                   progressbar=not args.no_progress)
+                   progressbar=not args.no_progress, sources=sources)
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:

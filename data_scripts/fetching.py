@@ -66,6 +66,22 @@ def known_hash(entry: dict) -> str | None:
     return None
 
 
+def verification(entry: dict) -> str:
+    """How a source is verified: by its checksum, by its size only, or not at all."""
+    if entry["sha256"] or entry["md5"]:
+        alg, hexdigest = known_hash(entry).split(":")
+        return f"{alg} {hexdigest}"
+    if entry["size_bytes"]:
+        return "size only: no checksum is published"
+    return "not at all: neither a checksum nor a size is published"
+
+
+def provenance(entry: dict, path: Path) -> dict:
+    """What the prepared folder records of a source: how it was verified, and the SHA-256 of the file used (None for a folder)."""
+    path = Path(path)
+    return {"verified": verification(entry), "sha256": file_hash(path, "sha256") if path.is_file() else None}
+
+
 def file_hash(path: Path, alg: str) -> str:
     """Hex digest of a file, read in blocks."""
     digest = hashlib.new(alg)

@@ -25,17 +25,32 @@ def info_main(argv:list|None=None): # command-line arguments after `info`
         print(f"{path}: {cache!r}\n  classes: {list(cache.class_names)}\n  images per shift: {counts}\n  sha256: {cache.content_hash()}")
     return 0
 
+def _one_line(e:BaseException): # an exception
+    "The exception as one line: its own message when the library wrote it, else its type and first line."
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if isinstance(e, (ValueError, OSError, ImportError)) and text else f"{type(e).__name__}: {text}".rstrip(": ")
+
 def main(argv:list|None=None): # command-line arguments; None reads sys.argv
-    "The `proton-ood` command."
+    "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
     from proton import __version__
     p = argparse.ArgumentParser(prog="proton-ood", description="Test-time OOD detection for medical VLMs.",
                                 epilog="Run `proton-ood COMMAND --help` for the options of a command.")
     p.add_argument("--version", action="version", version=f"proton-ood {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (give it before the command)")
     p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = argv[:1] == ["--debug"]
+    argv = argv[debug:]
     if not argv or argv[0] not in COMMANDS: p.parse_args(argv)  # prints help or version, or the usage error
     command, rest = argv[0], argv[1:]  # the rest, `-h` included, belongs to the command
     if command == "evaluate": from proton.bench.evaluation import evaluate_main as run
     elif command == "extract": from proton.models.extract import extract_main as run
     else: run = info_main
-    return run(rest) or 0
+    try: return run(rest) or 0
+    except KeyboardInterrupt:
+        print(f"proton-ood {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug: raise
+        print(f"proton-ood {command}: error: {_one_line(e)}", file=sys.stderr)
+        return 1

@@ -48,8 +48,14 @@ def as_rows(x, # (N, d) or (d,) vectors, numpy or torch
         raise ValueError(f"{name} have dimension {t.shape[1]}, expected {dim} (shape {tuple(t.shape)})")
     norms = torch.linalg.vector_norm(t, dim=1)
     if bool(((norms >= MIN_NORM) & (norms < math.inf)).all()): return t, norms  # NaN fails both comparisons
-    bad = (~torch.isfinite(norms)).nonzero().flatten()[:5].tolist()
-    if bad: raise ValueError(f"{name} contains NaN or Inf values (first offending rows: {bad})")
+    bad = ~torch.isfinite(norms)
+    if bad.any():  # say why: non-finite input, values the compute dtype cannot hold, or a length that overflows it
+        source = as_tensor(x, None, "cpu", name, check_finite=False).reshape(t.shape).to(torch.float64)
+        nan_in, too_big = ~torch.isfinite(source).all(1), ~torch.isfinite(t.cpu()).all(1)
+        rows = lambda m: (m.to(bad.device) & bad).nonzero().flatten()[:5].tolist()
+        if rows(nan_in): raise ValueError(f"{name} contains NaN or Inf values (first offending rows: {rows(nan_in)})")
+        if rows(too_big): raise ValueError(f"{name} rows {rows(too_big)} hold values too large for {t.dtype}")
+        raise ValueError(f"{name} rows {rows(bad)} are too long to normalise in {t.dtype}: their length overflows; scale them down")
     short = (norms < MIN_NORM).nonzero().flatten()[:5].tolist()
     raise ValueError(f"{name} rows {short} have zero length and cannot be L2-normalised")
 

@@ -48,3 +48,41 @@ def test_evaluate_on_the_simulated_world(tmp_path):
     assert r.returncode == 0, r.stderr
     header = out.read_text().splitlines()[0]
     assert header == "method,shift,seed,auroc,aupr_out,aupr_in,fpr95,fpr95_ood,n_id,n_ood"
+
+
+def one_line_error(r):
+    "The run failed with exactly one line on stderr and no traceback."
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    return r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr and lines[0].startswith("proton-ood")
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt", "directory"])
+def test_info_errors_are_one_line(tmp_path, case):
+    path = tmp_path / "c.npz"
+    if case == "corrupt": path.write_bytes(b"not a zip archive")
+    if case == "directory": path.mkdir()
+    r = run("info", str(path))
+    assert one_line_error(r), r.stderr
+    assert str(path) in r.stderr
+
+
+def test_evaluate_errors_are_one_line(tmp_path):
+    r = run("evaluate", "--seed", "-1", "--out", str(tmp_path / "r.csv"))
+    assert one_line_error(r) and "--seed" in r.stderr, r.stderr
+    blocker = tmp_path / "file"; blocker.write_text("")
+    r = run("evaluate", "--permutations", "1", "--no-progress", "--out", str(blocker / "r.csv"))  # a file where a folder should be
+    assert one_line_error(r) and "cannot write" in r.stderr, r.stderr
+
+
+def test_extract_errors_are_one_line(tmp_path):
+    data = tmp_path / "data" / "id" / "a"; data.mkdir(parents=True)
+    from PIL import Image
+    Image.new("RGB", (8, 8)).save(data / "x.png")
+    for extra in (["--model", "open_clip:ViT-S-32/none", "--device", "bogus"], ["--model", "open_clip:No-Such-Arch/none"]):
+        r = run("extract", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "c.npz"), "--workers", "0", "--no-progress", *extra)
+        assert one_line_error(r), r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = run("--debug", "info", str(tmp_path / "missing.npz"))
+    assert r.returncode != 0 and "Traceback" in r.stderr

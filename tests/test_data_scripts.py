@@ -649,3 +649,33 @@ def test_a_foreign_output_folder_is_not_touched(tmp_path):
 def test_unknown_local_source_is_refused():
     with pytest.raises(ValueError, match="unknown source 'fivez'"):
         common.parse_local(["fivez=/x"], ophthalmology.BENCHMARK.keys())
+
+
+# ------------------------------------------------------------------------------------------ how each source is verified
+
+def test_the_dry_run_says_how_each_source_is_verified(tmp_path, capsys):
+    common.main(ophthalmology.BENCHMARK, ["--out", str(tmp_path / "o"), "--raw", str(tmp_path), "--dry-run"])
+    printed = capsys.readouterr().out
+    assert "verified  size only: no checksum is published" in printed  # FIVES
+    assert "verified  md5 " in printed  # DeepDRiD, Imagenette
+    common.main(radiology.BENCHMARK, ["--out", str(tmp_path / "r"), "--raw", str(tmp_path), "--dry-run"])
+    assert "verified  not at all: neither a checksum nor a size is published" in capsys.readouterr().out  # the Kaggle sources
+
+
+def test_a_tampered_file_of_the_right_size_is_caught_where_a_hash_exists(tmp_path):
+    entry = http_entry("http://127.0.0.1:9/never", b"right bytes")
+    (tmp_path / "fixture.zip").write_bytes(b"wrong bytes")  # same length
+    with pytest.raises(fetching.ChecksumError, match="md5 is"): fetching.verify(tmp_path / "fixture.zip", entry)
+    sized = dict(entry, md5=None, sha256=None)
+    fetching.verify(tmp_path / "fixture.zip", sized)  # size only: nothing can tell
+    assert fetching.provenance(sized, tmp_path / "fixture.zip") == dict(
+        verified="size only: no checksum is published", sha256=fetching.file_hash(tmp_path / "fixture.zip", "sha256"))
+
+
+def test_the_prepared_folder_records_how_its_sources_were_verified(served_ophthalmology):
+    s = served_ophthalmology
+    common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out")] + s.base)
+    sources = json.loads((s.tmp / "out" / "classes.json").read_text())["sources"]
+    assert set(sources) == set(ophthalmology.BENCHMARK.keys())
+    assert sources["fives"]["verified"].startswith("size only") and sources["deepdrid"]["verified"].startswith("md5")
+    assert all(v["sha256"] is None or len(v["sha256"]) == 64 for v in sources.values())

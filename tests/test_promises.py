@@ -160,3 +160,74 @@ def test_an_interrupted_step_path_call_leaves_no_trace(monkeypatch):
     after = det.state_dict()
     assert len(calls) == 3 and det.welford.n == 100
     assert all(torch.equal(after[k], before[k]) for k in ("bank", "counts", "welford"))
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+class Evil:
+    def __reduce__(self): return (print, ("this must never run",))
+
+
+@pytest.mark.parametrize("loader", ["load_detector", "load_weights"])
+def test_a_refused_pickle_says_why_without_advising_to_unpickle(loader, tmp_path):
+    from proton.deploy import load_detector
+    from proton.models.vlm import load_weights
+    torch.save({"x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError) as e: dict(load_detector=load_detector, load_weights=load_weights)[loader](tmp_path / "evil.pt")
+    message = str(e.value)
+    assert "it holds a pickled print object" in message and "\n" not in message
+    assert "weights_only` set to `False`" not in message and "add_safe_globals" not in message and "weights_only=False" not in message
+
+
+def test_an_overflowing_length_is_not_called_nan():
+    det = Proton(np.eye(2, 4), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"rows \[0\] are too long to normalise in torch.float32"): det.score(np.full((1, 4), 1e30))
+    with pytest.raises(ValueError, match=r"rows \[1\] hold values too large for torch.float32"): det.score(np.array([[1.0, 0, 0, 0], [1e39, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="contains NaN or Inf"): det.score(np.array([[np.inf, 0, 0, 0]]))
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+def config_only_folder(tmp_path):
+    "A folder shaped like a Hugging Face open_clip snapshot, but without its weights file."
+    import json
+    import open_clip
+    folder = tmp_path / "snapshot"; folder.mkdir()
+    (folder / "open_clip_config.json").write_text(json.dumps(dict(model_cfg=open_clip.get_model_config("ViT-S-32"), preprocess_cfg={})))
+    return folder
+
+
+def test_missing_weights_are_an_error(tmp_path):
+    from proton.models import load_vlm
+    folder = config_only_folder(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no weights file"): load_vlm("quiltnet", folder)
+    with pytest.raises(FileNotFoundError, match="no weights file"): load_vlm(f"open_clip:ViT-S-32/{folder}")
+
+
+def test_random_weights_only_when_asked_for():
+    from proton.models import load_vlm
+    with pytest.raises(ValueError, match="name the weights"): load_vlm("open_clip:ViT-S-32")
+    a, b = load_vlm("open_clip:ViT-S-32/none", seed=3), load_vlm("open_clip:ViT-S-32/none", seed=3)
+    assert torch.equal(a.encode_text(["a cat"]), b.encode_text(["a cat"]))  # seeded
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+@pytest.mark.parametrize("top", [4095, 65535])
+def test_wide_grey_images_keep_their_gradation(top, tmp_path):
+    from PIL import Image
+    from proton.models.vlm import as_rgb_image
+    ramp = np.linspace(0, top, 256 * 64).reshape(64, 256).astype(np.uint16)  # 12-bit data in a 16-bit PNG, and full 16-bit
+    Image.fromarray(ramp).save(tmp_path / "ramp.png")
+    with Image.open(tmp_path / "ramp.png") as im: grey = np.asarray(as_rgb_image(im))[..., 0]
+    assert len(np.unique(grey)) >= 250 and grey.min() == 0 and grey.max() == 255
+    assert np.array_equal(np.asarray(as_rgb_image(ramp))[..., 0], grey)  # the array itself, too
+
+
+def test_a_broken_link_in_a_prepared_folder_is_reported(tmp_path):
+    from PIL import Image
+    from proton.bench.prepared import read_prepared
+    (tmp_path / "id" / "a").mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(tmp_path / "id" / "a" / "x.png")
+    (tmp_path / "id" / "a" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    with pytest.raises(ValueError, match=r"id/a/gone.png is a broken link"): read_prepared(tmp_path)

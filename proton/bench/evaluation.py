@@ -11,6 +11,7 @@ __all__ = ['METHODS', 'HELD_OUT_FRACTION', 'METRICS', 'COLUMNS', 'LABELS', 'SIMU
 import argparse
 import inspect
 import sys
+import tempfile
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -366,6 +367,14 @@ def _run_experiment(name:str, caches:list, args):
     return type(results[0])(*map(stack, zip(*results))) if e.returns == "tables" else stack(results)
 
 # %% ../../nbs/23_evaluation.ipynb
+def _check_writable(out:Path): # a file to be written
+    "Raise `OSError` unless a file can be written at `out`, creating its folder if need be."
+    try:
+        if out.is_dir(): raise IsADirectoryError(f"{out} is a folder")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent): pass
+    except OSError as e: raise OSError(f"cannot write {out}: {e.strerror or e}") from None
+
 def _write(name:str, result, out:Path, simulated:bool, permutations:int):
     "Write one experiment's result next to `out` and print its summary."
     label = f"\n{name}{' (simulated)' if simulated else ''}: "
@@ -387,6 +396,8 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     if args.permutations < 1: p.error(f"--permutations must be at least 1, got {args.permutations}")
     args.simulated_run = not args.caches
     try:
+        if args.seed < 0: raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+        _check_writable(Path(args.out))  # before the computation, not after it
         names = _experiment_names(args.experiments)
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
                   else [(f"simulated:{args.simulated or 'default'}", simulated_cache(args.simulated or "default"))])
@@ -394,7 +405,6 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)
         return 1
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     simulated = all(c.metadata.get("simulated") for _, c in caches)
     for name in names:
         result = _run_experiment(name, caches, args)

@@ -101,6 +101,7 @@ def _images_on_disk(root:Path):
     for shift in SHIFTS:
         for p in (root / shift).rglob("*"):
             rel = p.relative_to(root)
+            if p.is_symlink() and not p.exists(): raise ValueError(f"{rel.as_posix()} is a broken link in {root}: its target {p.readlink()} does not exist")
             if (not p.is_file() or p.suffix.lower() not in IMAGE_SUFFIXES or p.name in SKIPPED_FILES
                 or any(part.startswith(".") for part in rel.parts)): continue
             if len(rel.parts) != 3: raise ValueError(f"{p}: images must sit at <shift>/<class>/<file>, this one is {len(rel.parts) - 1} folders deep")

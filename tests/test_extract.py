@@ -352,10 +352,23 @@ def test_command_line_errors(data, tmp_path, capsys):
         assert "CUDA is not available" in capsys.readouterr().err
 
 
-def test_unreadable_image_is_named(clip, tmp_path):
+def test_unreadable_images_are_skipped_and_reported_or_refused_in_strict_mode(clip, tmp_path):
+    from PIL import Image as PILImage
     root = make_prepared(tmp_path / "d", split=False)
     (root / "far/tench/chelsea.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a real jpeg")
-    with pytest.raises(ValueError, match="cannot read image .*chelsea.jpg"): extract(clip, root, **RUN)
+    (root / "far/church/coffee.jpg").write_bytes((root / "far/church/coffee.jpg").read_bytes()[:200])  # truncated
+    with pytest.warns(UserWarning, match="2 of 12 images could not be read"): cache = extract(clip, root, **RUN)
+    skipped = cache.metadata["skipped_files"]
+    assert [s["file"] for s in skipped] == ["far/church/coffee.jpg", "far/tench/chelsea.jpg"] and all(s["error"] for s in skipped)
+    assert len(cache) == N - 2 and "far/tench/chelsea.jpg" not in cache.source
+    with pytest.raises(ValueError, match="cannot read image .*coffee.jpg"): extract(clip, root, strict=True, **RUN)
+
+
+def test_a_decompression_bomb_is_named(clip, tmp_path, monkeypatch):
+    from PIL import Image as PILImage
+    root = make_prepared(tmp_path / "d", split=False)
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 100)  # every image is now a "bomb" (over twice the limit)
+    with pytest.raises(ValueError, match="cannot read image .*: Image size"): extract(clip, root, strict=True, **dict(RUN, num_workers=0))
 
 
 def test_bad_arguments(clip, data):

@@ -77,19 +77,23 @@ class _Preprocess:
     def __call__(self, image): return self.vlm.preprocess(image)
 
 class ImageFiles(torch.utils.data.Dataset):
-    "Image files, decoded and preprocessed when they are read."
+    "Image files, decoded and preprocessed when they are read; an unreadable one gives a zero image and its error, or raises."
     def __init__(self, root:Path, # the folder the paths are relative to
                  files:list, # N relative paths
-                 preprocess): # one PIL image -> (3, H, W) float tensor
-        self.root, self.files, self.preprocess = Path(root), list(files), preprocess
+                 preprocess, # one PIL image -> (3, H, W) float tensor
+                 shape:tuple, # (3, H, W), the shape `preprocess` returns
+                 strict:bool=False): # raise on an unreadable file instead of reporting it
+        self.root, self.files, self.preprocess, self.shape, self.strict = Path(root), list(files), preprocess, tuple(shape), strict
     def __len__(self): return len(self.files)
     def __getitem__(self, i:int):
+        "(image tensor, "" ) for a readable file; (zeros, the error) for one that is not, unless `strict`."
         from PIL import Image
         path = self.root / self.files[i]
         try:
-            with Image.open(path) as im: return self.preprocess(im)
-        except (OSError, SyntaxError, ValueError) as e:  # PIL raises SyntaxError for some malformed PNG headers
-            raise ValueError(f"cannot read image {path}: {e}") from e
+            with Image.open(path) as im: return self.preprocess(im), ""
+        except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, DecompressionBombError, ...
+            if self.strict: raise ValueError(f"cannot read image {path}: {e}") from e
+            return torch.zeros(self.shape), f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 # %% ../../nbs/43_extract.ipynb
 SHARD_FORMAT = "proton-shard-1"
@@ -163,21 +167,23 @@ def default_workers():
     return min(16, cpus)
 
 def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards:Path, header, batch_size:int,
-                  num_workers:int, local:bool, bar):
+                  num_workers:int, local:bool, strict:bool, bar):
     "Compute and write the shards `todo`, decoding images in `num_workers` processes."
     cuda = vlm.device.type == "cuda"
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
-    loader = torch.utils.data.DataLoader(ImageFiles(folder.root, folder.files, _Preprocess(vlm)), batch_sampler=batches,
+    loader = torch.utils.data.DataLoader(ImageFiles(folder.root, folder.files, _Preprocess(vlm), (3, *vlm.image_size), strict), batch_sampler=batches,
                                          num_workers=num_workers, pin_memory=cuda)
     loaded = iter(loader)
     for k in todo:
-        (a, b), glob, patches = ranges[k], [], []
+        (a, b), glob, patches, errors = ranges[k], [], [], []
         for _ in range(math.ceil((b - a) / batch_size)):
-            x = next(loaded).to(vlm.device, non_blocking=cuda)
+            x, failed = next(loaded)
+            x = x.to(vlm.device, non_blocking=cuda)
+            errors += list(failed)
             glob.append(vlm.encode_images(x, batch_size=len(x)))
             if local: patches.append(vlm.encode_local(x, batch_size=len(x)))
             bar.update(len(x))
-        arrays = dict(image_embeddings=torch.cat(glob).numpy(), files=np.array(folder.files[a:b], dtype=str))
+        arrays = dict(image_embeddings=torch.cat(glob).numpy(), files=np.array(folder.files[a:b], dtype=str), errors=np.array(errors, dtype=str))
         if local: arrays["local_embeddings"] = torch.cat(patches).numpy()
         _write_shard(shard_path(shards, k), arrays, header(k))
 
@@ -230,6 +236,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             local:bool=False, # also extract (N, L, d) local embeddings for GL-MCM
             checkpoint:str|os.PathLike|None=None, # the weights file the model was loaded from (its name and hash go into the metadata)
             keep_shards:bool=False, # keep the shard folder after the cache is written
+            strict:bool=False, # stop at the first unreadable image; False: leave unreadable images out and list them
             progress:bool=True): # show a progress bar
     "Embed every image and class prompt of a prepared folder into an `EmbeddingCache`, resumably."
     from tqdm.auto import tqdm
@@ -256,15 +263,24 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
                   desc=f"extract {vlm.name}", disable=not progress) as bar:
             if todo: _embed_shards(vlm, folder, ranges, todo, shards, header, batch_size,
-                                   default_workers() if num_workers is None else num_workers, local, bar)
+                                   default_workers() if num_workers is None else num_workers, local, strict, bar)
         parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
     finally:
         if scratch: scratch.cleanup()
     if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
-    cache = EmbeddingCache(image_embeddings=np.concatenate([p["image_embeddings"] for p in parts]), text_embeddings=text_embeddings,
-                           class_names=list(prompts), labels=folder.labels, shift=list(folder.shift), temperature=vlm.temperature,
-                           local_embeddings=np.concatenate([p["local_embeddings"] for p in parts]) if local else None,
-                           source=list(folder.files), metadata=_metadata(vlm, folder, prompts, prompt_source, checkpoint, checkpoint_sha256, local))
+    errors = np.concatenate([p["errors"] for p in parts])
+    skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
+    if skipped and strict: raise ValueError(f"cannot read image {folder.root / skipped[0]['file']}: {skipped[0]['error']}")
+    if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
+    keep = errors == ""
+    metadata = _metadata(vlm, folder, prompts, prompt_source, checkpoint, checkpoint_sha256, local) | dict(skipped_files=skipped)
+    cache = EmbeddingCache(image_embeddings=np.concatenate([p["image_embeddings"] for p in parts])[keep], text_embeddings=text_embeddings,
+                           class_names=list(prompts), labels=folder.labels[keep], shift=list(np.array(folder.shift)[keep]),
+                           temperature=vlm.temperature,
+                           local_embeddings=np.concatenate([p["local_embeddings"] for p in parts])[keep] if local else None,
+                           source=list(np.array(folder.files)[keep]), metadata=metadata)
+    if skipped: warnings.warn(f"{len(skipped)} of {len(folder)} images could not be read and were left out of the cache; "
+                              f"its metadata lists them under skipped_files (first: {skipped[0]['file']}: {skipped[0]['error']})", stacklevel=2)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         cache.save(out)
@@ -288,6 +304,7 @@ def _parser():
     p.add_argument("--local", action="store_true", help="also extract local (patch) embeddings for GL-MCM")
     p.add_argument("--no-resume", action="store_true", help="ignore the shards of an earlier run")
     p.add_argument("--keep-shards", action="store_true", help="keep <out>.shards/ after writing the cache")
+    p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: leave it out, list it in the metadata)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -311,9 +328,11 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"--device {device}, but CUDA is not available here")
         vlm = load_vlm(args.model, args.checkpoint, device=device, **extra)
-        cache = extract(vlm, args.data, prompts, out=args.out, batch_size=args.batch_size, num_workers=args.workers,
-                        shard_size=args.shard_size, resume=not args.no_resume, local=args.local, checkpoint=args.checkpoint,
-                        keep_shards=args.keep_shards, progress=not args.no_progress)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the summary line below says it
+            cache = extract(vlm, args.data, prompts, out=args.out, batch_size=args.batch_size, num_workers=args.workers,
+                            shard_size=args.shard_size, resume=not args.no_resume, local=args.local, checkpoint=args.checkpoint,
+                            keep_shards=args.keep_shards, strict=args.strict, progress=not args.no_progress)
     except torch.cuda.OutOfMemoryError:
         print(f"proton-ood extract: error: the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
               "with a smaller one: the finished shards are reused", file=sys.stderr)
@@ -322,4 +341,6 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         print(f"proton-ood extract: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
+    if cache.metadata["skipped_files"]:
+        print(f"  skipped {len(cache.metadata['skipped_files'])} unreadable images, listed in the cache's metadata (skipped_files)")
     return 0

@@ -47,7 +47,7 @@ def test_evaluate_on_the_simulated_world(tmp_path):
     r = run("evaluate", "--simulated", "default", "--permutations", "1", "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     header = out.read_text().splitlines()[0]
-    assert header == "method,shift,seed,auroc,aupr_out,aupr_in,fpr95,fpr95_ood,n_id,n_ood"
+    assert header == "method,shift,seed,auroc,aupr_out,aupr_in,fpr95,fpr95_ood,n_id,n_ood,fpr95_convention"
 
 
 def one_line_error(r):
@@ -86,3 +86,17 @@ def test_extract_errors_are_one_line(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     r = run("--debug", "info", str(tmp_path / "missing.npz"))
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_evaluate_follows_the_paper_protocol_and_records_it(tmp_path):
+    import json
+    import pandas as pd
+    out = tmp_path / "results.csv"
+    r = run("evaluate", "--simulated", "ophthalmology", "--permutations", "1", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(out)
+    share = df.n_id / (df.n_id + df.n_ood)
+    assert ((share - 0.7).abs() < 0.02).all(), share  # ρ = 0.7, the paper's ID fraction
+    protocol = json.loads((tmp_path / "results_protocol.json").read_text())
+    assert protocol["rho"] == 0.7 and protocol["fpr95_convention"] == "ju2025" and protocol["n_permutations"] == 1
+    assert set(df.fpr95_convention) == {"ju2025"} and "FPR95 (ju2025)" in r.stdout

@@ -168,3 +168,11 @@ def test_all_experiments_on_a_1000_image_cache(tmp_path, capsys):
             assert len(df) and (e.returns != "metrics" or set(COLUMNS) <= set(df.columns)), path
     with capsys.disabled():
         print(f"\n[timing] all experiments, 1,000-image cache, 5 orders: {seconds:.1f} s")
+
+
+def test_runs_without_privileged_methods_keep_every_id_image(cache):
+    "The held-out split exists for kNN-ID and Mahalanobis-ID; without them no ID image leaves the streams."
+    df, _ = quiet_evaluate(cache, ["mcm", "proton"], n_permutations=1, rho=None)
+    assert (df.n_id == (cache.shift == "id").sum()).all()
+    df, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, rho=None)
+    assert (df.n_id < (cache.shift == "id").sum()).all()

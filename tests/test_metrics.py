@@ -33,12 +33,68 @@ def test_ties_count_half():
 
 
 def test_fpr_at_95_percent_id_recall_on_twenty_images():
-    # 20 ID images 0..19, 20 OOD images 10.5..29.5: keeping 19 of 20 ID images (95%) below the threshold accepts
-    # the OOD images below 18.5, i.e. 10.5..17.5: 8 of 20
+    # 20 ID images 0..19, 20 OOD images 10.5..29.5. Accepting scores <= 18 keeps 19 of 20 ID images (95%) and admits
+    # OOD 10.5..17.5 (8 of 20); accepting <= 18.5 keeps the same 19 and admits 18.5 too. Of thresholds with equal ID
+    # recall the MCM code takes the lowest: 9 of 20. OpenOOD flags from 11.5 up to catch 19 of 20 OOD: ID 12..19, 8 of 20.
     scores_id, scores_ood = np.arange(20.0), np.arange(20.0) + 10.5
-    assert ood_metrics(scores_id, scores_ood)["fpr95"] == pytest.approx(8 / 20)
+    assert ood_metrics(scores_id, scores_ood)["fpr95"] == pytest.approx(9 / 20)
+    assert ood_metrics(scores_id, scores_ood)["fpr95_ood"] == pytest.approx(8 / 20)
 
 
 @pytest.mark.parametrize("bad,message", [([], "non-empty"), ([[0.1]], "1-D"), ([np.nan], "NaN")])
 def test_bad_scores_are_refused(bad, message):
     with pytest.raises(ValueError, match=message): ood_metrics(bad, [0.5])
+
+
+# ---------------------------------------------------------------------------------------------- FPR95 conventions
+# Each peer's algorithm restated plainly, as its code computes it, to check `ood_metrics(convention=...)` against.
+
+from hypothesis import given, settings, strategies as st
+from sklearn.metrics import roc_curve
+
+
+def peer_mcm(s_id, s_ood, level=0.95):
+    "The MCM repository's fpr_and_fdr_at_recall: ID positive, called with negated scores."
+    y = np.r_[np.ones(len(s_id)), np.zeros(len(s_ood))] == 1
+    score = -np.r_[s_id, s_ood]
+    order = np.argsort(score, kind="mergesort")[::-1]
+    score, y = score[order], y[order]
+    idx = np.r_[np.where(np.diff(score))[0], y.size - 1]
+    tps = np.cumsum(y, dtype=np.float64)[idx]
+    fps = 1 + idx - tps
+    recall = tps / tps[-1]
+    last = tps.searchsorted(tps[-1])
+    recall, fps = np.r_[recall[last::-1], 1], np.r_[fps[last::-1], 0]
+    return fps[np.argmin(np.abs(recall - level))] / np.sum(~y)
+
+
+def peer_openood(s_id, s_ood, level=0.95):
+    "OpenOOD v1.5's auc_and_fpr_recall: OOD positive, roc_curve's default curve, the first point reaching the recall."
+    fpr, tpr, _ = roc_curve(np.r_[np.zeros(len(s_id)), np.ones(len(s_ood))], np.r_[s_id, s_ood])
+    return fpr[np.argmax(tpr >= level)]
+
+
+def peer_ju2025(s_id, s_ood, level=0.95):
+    "Ju et al.'s notebooks: OOD positive, roc_curve's default curve, the point whose recall is nearest."
+    fpr, tpr, _ = roc_curve(np.r_[np.zeros(len(s_id)), np.ones(len(s_ood))], np.r_[s_id, s_ood])
+    return fpr[np.argmin(np.abs(tpr - level))]
+
+
+PEERS = dict(mcm=peer_mcm, openood=peer_openood, ju2025=peer_ju2025)
+tie_heavy = st.lists(st.integers(0, 4), min_size=1, max_size=60).map(lambda v: np.array(v, dtype=np.float64) / 4)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(tie_heavy, tie_heavy, st.sampled_from(list(PEERS)), st.sampled_from([0.95, 0.9, 0.5]))
+def test_each_convention_is_the_peers_own(s_id, s_ood, convention, level):
+    "Tie-heavy scores (five values) and sparse recall (a handful of images of one kind)."
+    got = ood_metrics(s_id, s_ood, recall=level, convention=convention)["fpr95"]
+    assert abs(got - PEERS[convention](s_id, s_ood, level)) <= 1e-12
+
+
+def test_the_conventions_differ_where_recall_moves_in_coarse_steps():
+    s_id = np.array([0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.5, 0.6, 0.6, 0.9])
+    s_ood = np.array([0.3, 0.4, 0.5, 0.6, 0.7, 0.7, 0.8, 0.9, 1.0, 1.0, 1.0])
+    values = {c: ood_metrics(s_id, s_ood, convention=c)["fpr95"] for c in PEERS}
+    assert len(set(values.values())) == 3, values
+    with pytest.raises(ValueError, match="unknown FPR95 convention 'sklearn'"): ood_metrics(s_id, s_ood, convention="sklearn")

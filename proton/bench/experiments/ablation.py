@@ -8,7 +8,7 @@ __all__ = ['NO_GATE', 'ablation_variants', 'ablation']
 # %% ../../../nbs/25_ablation.ipynb
 from dataclasses import replace
 
-from ..evaluation import evaluate
+from ..evaluation import PAPER_PROTOCOL, evaluate
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -26,7 +26,7 @@ def ablation_variants(config:ProtonConfig|None=None): # the full detector's conf
 
 # %% ../../../nbs/25_ablation.ipynb
 def ablation(cache:EmbeddingCache, # the embedding cache to evaluate
-             n_permutations:int=5, # stream orders per shift
+             n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
              seed:int=0, # seed of the first order and of the held-out split
              config:ProtonConfig|None=None, # the full detector's configuration; None: the paper's
              progress:bool=True, # show a tqdm bar

@@ -6,7 +6,7 @@
 __all__ = ['DOMAIN_MODELS', 'REPORTED_COVARIATE_AUROC', 'cross_domain']
 
 # %% ../../../nbs/29_cross_domain.ipynb
-from ..evaluation import evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
 from ..cache import EmbeddingCache, check_cache
 from ...detector import ProtonConfig
 
@@ -21,7 +21,7 @@ REPORTED_COVARIATE_AUROC = {  # covariate AUROC (%) reported by the paper, cross
 
 def cross_domain(caches:dict, # {domain name: EmbeddingCache}, one cache per domain
                  methods=("mcm", "proton"), # names in the evaluation's `METHODS`
-                 n_permutations:int=5, # stream orders per shift
+                 n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
                  seed:int=0, # seed of the first order and of the held-out split
                  config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from each cache); None: the paper's
                  progress:bool=True, # show a tqdm bar per domain

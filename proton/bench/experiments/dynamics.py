@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache import EmbeddingCache, check_cache
-from ..evaluation import import_pandas
+from ..evaluation import PAPER_PROTOCOL, import_pandas
 from ...detector import Proton, ProtonConfig
 from ...engine import arrivals_by_class, eviction_rows, prefix_sums, queue_changes, queue_lengths
 from ...scores import as_unit_rows
@@ -39,7 +39,7 @@ def prototype_history(image_embeddings:Tensor, # (N, d) L2-normalised embeddings
 def dynamics(cache:EmbeddingCache, # the embedding cache the streams draw from
              shifts=None, # OOD shifts to run, one stream each; None: every OOD shift in the cache
              order:str="shuffled", # how each stream is arranged, one of `ORDERS`
-             rho:float|None=None, # ID fraction of the streams, in (0, 1); None keeps every image
+             rho:float|None=PAPER_PROTOCOL.rho, # ID fraction of the streams, in (0, 1); None keeps every image
              seed:int=0, # seed of the stream order and of the subsampling to rho
              config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from the cache); None: the paper's
              warmup:int=50): # leading ID images, for order="id_first"

@@ -6,7 +6,7 @@
 __all__ = ['GENERALITY_BASES', 'PRIVILEGED', 'generality']
 
 # %% ../../../nbs/28_generality.ipynb
-from ..evaluation import METHODS, evaluate, proton_method
+from ..evaluation import PAPER_PROTOCOL, METHODS, evaluate, proton_method
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -17,7 +17,7 @@ PRIVILEGED = tuple(name for name, m in METHODS.items() if m.privileged)  # kNN-I
 def generality(cache:EmbeddingCache, # the embedding cache to evaluate
                bases=GENERALITY_BASES, # base scores, names of non-privileged baselines
                privileged:bool=True, # also run the privileged detectors, for scale
-               n_permutations:int=5, # stream orders per shift
+               n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
                seed:int=0, # seed of the first order and of the held-out split
                config:ProtonConfig|None=None, # PROTON's hyperparameters; None: the paper's
                progress:bool=True, # show a tqdm bar

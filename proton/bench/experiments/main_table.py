@@ -7,7 +7,7 @@ __all__ = ['MAIN_METHODS', 'main_table']
 
 # %% ../../../nbs/24_main_table.ipynb
 from ..baselines import BASELINES
-from ..evaluation import evaluate
+from ..evaluation import PAPER_PROTOCOL, evaluate
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -15,7 +15,7 @@ from ...detector import ProtonConfig
 MAIN_METHODS = tuple(BASELINES) + ("proton",)  # every baseline, then PROTON over MCM
 
 def main_table(cache:EmbeddingCache, # the embedding cache to evaluate
-               n_permutations:int=5, # stream orders per shift
+               n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
                seed:int=0, # seed of the first order and of the held-out split
                config:ProtonConfig|None=None, # PROTON's hyperparameters; None: the paper's
                progress:bool=True, # show a tqdm bar

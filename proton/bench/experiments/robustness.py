@@ -8,7 +8,7 @@ __all__ = ['RHOS', 'MISROUTED', 'robustness']
 # %% ../../../nbs/27_robustness.ipynb
 import numpy as np
 
-from ..evaluation import evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 from ..streams import ORDERS, misroute
@@ -22,15 +22,16 @@ def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
                misrouted=MISROUTED, # misrouted shares to try
                orders=ORDERS, # stream arrangements to try
                methods=("mcm", "proton"), # methods to compare
-               n_permutations:int=5, # stream orders per setting
+               rho:float|None=PAPER_PROTOCOL.rho, # ID fraction of the misrouting and order runs
+               n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per setting
                seed:int=0, # seed of the orders, the subsampling, the misrouting and the held-out split
                config:ProtonConfig|None=None, # PROTON's hyperparameters; None: the paper's
                progress:bool=True, # show tqdm bars
                **options): # further arguments of `evaluate`
     "Experiment 4: `methods` as ρ, misrouting and order vary one at a time; the settings in front of `evaluate`'s columns."
     runs = ([("rho", cache, dict(rho=r), dict(rho=r, misrouted=0., order="shuffled")) for r in rhos] +
-            [("misrouting", misroute(cache, f, seed), {}, dict(rho=np.nan, misrouted=f, order="shuffled")) for f in misrouted] +
-            [("order", cache, dict(order=o), dict(rho=np.nan, misrouted=0., order=o)) for o in orders])
+            [("misrouting", misroute(cache, f, seed), dict(rho=rho), dict(rho=rho or np.nan, misrouted=f, order="shuffled")) for f in misrouted] +
+            [("order", cache, dict(rho=rho, order=o), dict(rho=rho or np.nan, misrouted=0., order=o)) for o in orders])
     frames = []
     for factor, c, settings, columns in runs:
         df = evaluate(c, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..evaluation import evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -35,7 +35,7 @@ def sensitivity(cache:EmbeddingCache, # the embedding cache to evaluate
                 bank_sizes=BANK_SIZES, # M values of the grid
                 var_refs=VAR_REFS, # σ²_0 values of the second sweep
                 grid_shifts=("covariate",), # shifts of the γ × M grid; None: all
-                n_permutations:int=5, # stream orders per shift
+                n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
                 seed:int=0, # seed of the first order and of the held-out split
                 config:ProtonConfig|None=None, # the configuration swept around; None: the paper's
                 progress:bool=True, # show a tqdm bar

@@ -7,7 +7,7 @@ __all__ = ['DEFAULT_TEMPERATURE', 'STATE_FORMAT', 'STATE_KEYS', 'ProtonConfig', 
 
 # %% ../nbs/14_detector.ipynb
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -32,6 +32,7 @@ class ProtonConfig:
     temperature:float|None=None # τ of the zero-shot softmax; None: the τ the model or cache supplies
     base_score:str|Callable="mcm" # name in `BASE_SCORES`, or a callable (N, C) logits -> (N,) scores
     slope:float=100. # steepness of the sigmoid in the fusion weight
+    warmup:int=0 # W: > 0 reads σ²_0 off the base score's variance over the stream's first W images (var_ref until then)
 
     def __post_init__(self):
         c = self
@@ -44,6 +45,7 @@ class ProtonConfig:
             raise ValueError(f"need 0 <= alpha_min <= alpha_max <= 1, got alpha_min={c.alpha_min}, alpha_max={c.alpha_max}")
         if not 0 <= c.var_ref < math.inf: raise ValueError(f"var_ref must be non-negative and finite, got {c.var_ref}")
         if not 0 <= c.slope < math.inf: raise ValueError(f"slope must be non-negative and finite, got {c.slope}")
+        if isinstance(c.warmup, bool) or int(c.warmup) != c.warmup or c.warmup < 0: raise ValueError(f"warmup must be a non-negative integer, got {c.warmup}")
         get_base_score(c.base_score)
 
 DEFAULT_TEMPERATURE = 0.01  # CLIP's learned τ (logit scale 100), when neither the user nor the model gives one
@@ -81,12 +83,14 @@ class Proton:
         self.welford = Welford()
         self.temperature = resolve_temperature(self.config.temperature, temperature)
         self._views = None  # numpy views of the state, made by the one-image path
+        self._learned_var_ref, self._active = None, self.config  # σ²_0 read off a warm-up, and the configuration the kernels get
 
     n_classes = property(lambda self: self.text.shape[0])
     dim = property(lambda self: self.text.shape[1])
     dtype = property(lambda self: self.text.dtype)
     device = property(lambda self: self.text.device)
     calibrated = property(lambda self: self.bank.calibrated(self.config.k_min))
+    var_ref = property(lambda self: self._active.var_ref)  # σ²_0 in use: `config.var_ref`, or the warm-up's once read
 
     def __repr__(self):
         return f"Proton(C={self.n_classes}, d={self.dim}, {self.dtype}, τ={self.temperature:g}, seen={self.welford.n}, bank={self.bank.counts.tolist()})"
@@ -112,7 +116,7 @@ def _steps(self:Proton,
            confidence:Tensor, # (N,) their largest softmax probability
            predicted:Tensor): # (N,) their zero-shot class
     "Advance the stream one image at a time, in the order of Algorithm 1."
-    c, bank = self.config, self.bank
+    c, bank = self._active, self.bank
     enqueued = passes_gate(confidence, c.gamma)
     calibrated = bank.calibrated(c.k_min)  # only an enqueue can change it
     rows = []
@@ -133,18 +137,19 @@ Proton._steps = _steps
 def _snapshot(self:Proton):
     "A copy of the stream state: bank entries, counts, prototypes and Welford moments."
     b, w = self.bank, self.welford
-    return b.entries.clone(), b.counts.clone(), b.prototypes.clone(), Welford(w.n, w.mean, w.m2)
+    return b.entries.clone(), b.counts.clone(), b.prototypes.clone(), Welford(w.n, w.mean, w.m2), self._learned_var_ref
 
 def _restore(self:Proton, snapshot:tuple): # from `_snapshot`
     "Put the stream state back as it was."
-    entries, counts, prototypes, self.welford = snapshot
+    entries, counts, prototypes, self.welford, learned = snapshot
+    self._set_var_ref(learned)
     self.bank.entries.copy_(entries); self.bank.counts.copy_(counts); self.bank.prototypes.copy_(prototypes)
 
 def _score_one(self:Proton, x): # one image embedding
     "The (1,) score of one image on the engine's numpy path; None when another path must handle `x`."
     if self.device.type != "cpu": return None
     if self._views is None or not self._views.sees(self.text, self.bank): self._views = BankViews(self.text, self.bank)
-    out = score_one(x, self._views, self.config, self.temperature, self.welford, self.base_fn)
+    out = score_one(x, self._views, self._active, self.temperature, self.welford, self.base_fn)
     if out is None: return None
     score, self.welford = out
     return torch.full((1,), score, dtype=self.dtype)
@@ -161,33 +166,58 @@ def _scan(self:Proton,
         rows, lengths = X[a:a + size], norms[a:a + size]
         b, confidence, predicted = self._classify(rows, lengths, None if base is None else base[a:a + size])
         (score, proto, alpha, calibrated, gated), self.welford = scan_chunk(
-            self.bank, self.welford, self.config, buffers.stage(rows, lengths), b, confidence, predicted, buffers)
+            self.bank, self.welford, self._active, buffers.stage(rows, lengths), b, confidence, predicted, buffers)
         out.append(ProtonParts(score, b, proto, alpha, calibrated, gated, predicted) if keep_parts else score)  # scores alone save memory
     if len(out) == 1: return out[0]
     return ProtonParts(*(torch.cat(p) for p in zip(*out))) if keep_parts else torch.cat(out)
+
+def _set_var_ref(self:Proton, learned:float|None): # σ²_0 read off the warm-up, or None
+    "Use `learned` as σ²_0 from now on (None: `config.var_ref`)."
+    self._learned_var_ref = learned
+    self._active = self.config if learned is None else replace(self.config, var_ref=learned)
+
+def _learn_var_ref(self:Proton):
+    "Read σ²_0 off the warm-up once its W images have been seen."
+    if self.config.warmup and self._learned_var_ref is None and self.welford.n >= self.config.warmup: self._set_var_ref(self.welford.var)
+
+def _score_rows(self:Proton, X:Tensor, norms:Tensor, base, keep_parts:bool):
+    "Score rows on the step path or the vectorised engine, by their number."
+    if len(X) > STEP_MAX: return self._scan(X, norms, base, keep_parts)
+    parts = self._steps(X / norms[:, None], *self._classify(X, norms, base))
+    return parts if keep_parts else parts.score
 
 def _score(self:Proton,
            image_embeddings, # (N, d) or (d,) image embeddings of the next stream images, in order
            return_parts:bool=False, # return a `ProtonParts` instead of the scores alone
            base=None): # (N,) base scores of these images computed elsewhere; None: `config.base_score` of their logits
     "Score the next images of the stream (higher = more OOD) and advance the detector's state, all or nothing."
-    if not return_parts and base is None and (one := self._score_one(image_embeddings)) is not None: return one
+    if not return_parts and base is None and (one := self._score_one(image_embeddings)) is not None:
+        self._learn_var_ref()
+        return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
+    if base is not None: base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores").reshape(-1)
     saved = self._snapshot()
     try:
         with torch.no_grad():  # a base score that builds autograd history must not leave it in the bank
-            if len(X) > STEP_MAX: return self._scan(X, norms, base, return_parts)
-            parts = self._steps(X / norms[:, None], *self._classify(X, norms, base))
-        return parts if return_parts else parts.score
+            cut = self.config.warmup - self.welford.n if self._learned_var_ref is None else 0
+            if not 0 < cut < len(X):
+                out = self._score_rows(X, norms, base, return_parts)
+                self._learn_var_ref()
+                return out
+            head = self._score_rows(X[:cut], norms[:cut], None if base is None else base[:cut], return_parts)  # the end of the warm-up
+            self._learn_var_ref()
+            tail = self._score_rows(X[cut:], norms[cut:], None if base is None else base[cut:], return_parts)
+        return ProtonParts(*(torch.cat(p) for p in zip(head, tail))) if return_parts else torch.cat([head, tail])
     except BaseException:
         self._restore(saved)
         raise
 
-Proton._snapshot, Proton._restore, Proton._score_one, Proton._scan, Proton.score = _snapshot, _restore, _score_one, _scan, _score
+Proton._snapshot, Proton._restore, Proton._score_one, Proton._scan = _snapshot, _restore, _score_one, _scan
+Proton._set_var_ref, Proton._learn_var_ref, Proton._score_rows, Proton.score = _set_var_ref, _learn_var_ref, _score_rows, _score
 
 # %% ../nbs/14_detector.ipynb
 STATE_FORMAT = "proton-state-2"  # the prototypes are saved too: a restored detector continues bit for bit
-STATE_KEYS = ("format", "config", "text_embeddings", "bank", "counts", "prototypes", "welford")
+STATE_KEYS = ("format", "config", "text_embeddings", "bank", "counts", "prototypes", "welford", "var_ref")
 
 def _config_dict(config:ProtonConfig, temperature:float):
     "The configuration as plain values, with the τ actually in use."
@@ -200,11 +230,12 @@ def _state_dict(self:Proton):
     w = self.welford
     return {"format": STATE_FORMAT, "config": _config_dict(self.config, self.temperature), "text_embeddings": self.text.clone(),
             "bank": self.bank.entries.clone(), "counts": self.bank.counts.clone(), "prototypes": self.bank.prototypes.clone(),
-            "welford": torch.tensor([w.n, w.mean, w.m2], dtype=torch.float64)}
+            "welford": torch.tensor([w.n, w.mean, w.m2], dtype=torch.float64),
+            "var_ref": torch.tensor(math.nan if self._learned_var_ref is None else self._learned_var_ref, dtype=torch.float64)}
 
 def _reset(self:Proton):
     "Forget the stream: empty the bank and the running variance."
-    self.bank.clear(); self.welford = Welford()
+    self.bank.clear(); self.welford = Welford(); self._set_var_ref(None)
 
 Proton.state_dict, Proton.reset = _state_dict, _reset
 
@@ -213,9 +244,10 @@ def _state_structure(sd, config_keys):
     "Raise `ValueError` unless `sd` is a dict with a known format and the keys of that format, its config those of `config_keys`."
     if not isinstance(sd, dict): raise ValueError(f"state dict must be a dict, got {type(sd).__name__}")
     if sd.get("format") not in (STATE_FORMAT, "proton-state-1"): raise ValueError(f"unknown state format {sd.get('format')!r}, expected {STATE_FORMAT!r}")
-    keys = set(STATE_KEYS) - ({"prototypes"} if sd["format"] == "proton-state-1" else set())
+    keys = set(STATE_KEYS) - ({"prototypes", "var_ref"} if sd["format"] == "proton-state-1" else set())
     if set(sd) != keys: raise ValueError(f"state dict has the keys {sorted(sd)}, expected {sorted(keys)}")
     cfg = sd["config"]
+    if isinstance(cfg, dict) and sd["format"] == "proton-state-1": cfg = {"warmup": 0} | cfg  # the first format had no warm-up
     if not isinstance(cfg, dict) or set(cfg) != set(config_keys):
         got = sorted(cfg) if isinstance(cfg, dict) else type(cfg).__name__
         raise ValueError(f"state config must have the keys {sorted(config_keys)}, got {got}")
@@ -227,14 +259,15 @@ def _state_tensor(sd, key:str, kind:str, shape:tuple, what:str):
     if kind == "float" and not t.is_floating_point(): raise ValueError(f"state {what} must be floating point, got {t.dtype}")
     if kind == "int" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool): raise ValueError(f"state {what} must be integers, got {t.dtype}")
     if tuple(t.shape) != tuple(shape): raise ValueError(f"state {what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if kind == "float" and not torch.isfinite(t).all(): raise ValueError(f"state {what} contains NaN or Inf")
+    if kind == "float" and what != "var_ref" and not torch.isfinite(t).all(): raise ValueError(f"state {what} contains NaN or Inf")
     return t
 
 def _check_state(self:Proton, sd):
-    "The state's (bank, counts, prototypes or None, Welford), checked to be one a stream of this detector could produce."
+    "The state's (bank, counts, prototypes or None, Welford, σ²_0 read off the warm-up or None), checked to be one a stream of this detector could produce."
     mine = _config_dict(self.config, self.temperature)
     _state_structure(sd, mine)
-    diff = [f"{k}={sd['config'][k]!r} (here {mine[k]!r})" for k in mine if sd["config"][k] != mine[k]]
+    saved = {"warmup": 0} | sd["config"]
+    diff = [f"{k}={saved[k]!r} (here {mine[k]!r})" for k in mine if saved[k] != mine[k]]
     if diff: raise ValueError(f"state was saved with a different configuration: {', '.join(diff)}")
     (C, M, d), like = self.bank.entries.shape, self.bank.entries
     text = _state_tensor(sd, "text_embeddings", "float", (C, d), "text embeddings").to(like)
@@ -253,18 +286,25 @@ def _check_state(self:Proton, sd):
     if bank[~filled].any(): raise ValueError("state bank has entries beyond its counts: the unused rows of a queue must be zero")
     tol = 100 * torch.finfo(bank.dtype).eps
     if ((torch.linalg.vector_norm(bank[filled], dim=-1) - 1).abs() > tol).any(): raise ValueError("state bank rows must have unit length")
-    if "prototypes" not in sd: return bank, counts, None, Welford(int(n), mean, m2)
+    learned = None
+    if "var_ref" in sd:
+        v = _state_tensor(sd, "var_ref", "float", (), "var_ref").item()  # NaN until the warm-up is over
+        W = self.config.warmup
+        if (math.isnan(v) != (W == 0 or n < W)) or v < 0: raise ValueError(f"state var_ref {v} does not fit a warm-up of {W} images after {int(n)} images")
+        learned = None if math.isnan(v) else v
+    if "prototypes" not in sd: return bank, counts, None, Welford(int(n), mean, m2), learned
     prototypes = _state_tensor(sd, "prototypes", "float", (C, d), "prototypes").to(like)
     sums = bank.sum(1)
     expected = sums / torch.linalg.vector_norm(sums, dim=1, keepdim=True).clamp_min(1e-12)
     if not torch.allclose(prototypes, expected, atol=1e3 * torch.finfo(bank.dtype).eps):
         raise ValueError("state prototypes are not the normalised sums of their queues")
-    return bank, counts, prototypes, Welford(int(n), mean, m2)
+    return bank, counts, prototypes, Welford(int(n), mean, m2), learned
 
 def _load_state_dict(self:Proton,
                      sd:dict): # a dict from `Proton.state_dict`
     "Restore a state saved by `state_dict`; the detector is unchanged if `sd` is rejected."
-    bank, counts, prototypes, self.welford = self._check_state(sd)
+    bank, counts, prototypes, self.welford, learned = self._check_state(sd)
+    self._set_var_ref(learned)
     self.bank.entries.copy_(bank); self.bank.counts.copy_(counts)
     if prototypes is None:
         for c in range(self.n_classes): self.bank.refresh(c)

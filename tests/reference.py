@@ -22,11 +22,12 @@ BASE = {
 
 
 def reference_proton(T, E, gamma=0.7, bank_size=100, k_min=5, alpha_min=0.3, alpha_max=0.7, var_ref=0.02,
-                     temperature=0.01, base_score="mcm", slope=100.0):
+                     temperature=0.01, base_score="mcm", slope=100.0, warmup=0):
     "Per-sample (score, base, proto, alpha, calibrated, enqueued) lists for the stream `E`, in float64."
     T, E = unit(np.asarray(T, np.float64)), unit(np.asarray(E, np.float64))
     queues = [[] for _ in T]
     n, mean, m2 = 0, 0.0, 0.0
+    reference = var_ref  # sigma^2_0: with a warm-up of W images, their variance from image W + 1 on
     rows = []
     for e in E:
         z = T @ e / temperature
@@ -37,11 +38,13 @@ def reference_proton(T, E, gamma=0.7, bank_size=100, k_min=5, alpha_min=0.3, alp
         mean += delta / n
         m2 += delta * (base - mean)
         var = m2 / n
+        if warmup and n == warmup + 1: reference = var_before
+        var_before = var
         calibrated = all(len(q) >= k_min for q in queues)
         if calibrated:
             protos = [unit(np.mean(q, axis=0)) for q in queues]
             proto = 1 - max(float(e @ mu) for mu in protos)
-            alpha = alpha_max - (alpha_max - alpha_min) / (1 + math.exp(-slope * (var - var_ref)))
+            alpha = alpha_max - (alpha_max - alpha_min) / (1 + math.exp(-slope * (var - reference)))
             score = alpha * base + (1 - alpha) * proto
         else:
             proto, alpha, score = math.nan, 1.0, base

@@ -121,7 +121,7 @@ def test_command_writes_one_csv_per_experiment(cache, tmp_path, capsys):
     main = pd.read_csv(out)
     assert tuple(main.columns) == COLUMNS and set(main.seed) == {0, 1}
     ablation = pd.read_csv(tmp_path / "out" / "results_ablation.csv")
-    assert tuple(ablation.columns) == COLUMNS and len(ablation) == 4 * 3 * 2
+    assert tuple(ablation.columns) == COLUMNS and len(ablation) == 5 * 3 * 2
     printed = capsys.readouterr().out
     assert "main_table" in printed and "ablation" in printed and "AUROC" in printed and "simulated" in printed
 

@@ -231,3 +231,15 @@ def test_a_broken_link_in_a_prepared_folder_is_reported(tmp_path):
     Image.new("RGB", (4, 4)).save(tmp_path / "id" / "a" / "x.png")
     (tmp_path / "id" / "a" / "gone.png").symlink_to(tmp_path / "nowhere.png")
     with pytest.raises(ValueError, match=r"id/a/gone.png is a broken link"): read_prepared(tmp_path)
+
+
+@pytest.mark.parametrize("n", [30, 80])
+def test_save_load_continue_is_bitwise_around_a_warm_up(n):
+    T, E = clustered_stream(2, 16, 300, seed=5)
+    cfg = ProtonConfig(bank_size=8, k_min=2, temperature=0.2, warmup=40)
+    det = Proton(T, cfg); det.score(E[:n])
+    restored = Proton.from_state_dict(det.state_dict())
+    assert (restored.var_ref == det.var_ref) and (n < 40) == (det.var_ref == cfg.var_ref)
+    assert torch.equal(restored.score(E[n:]), det.score(E[n:]))
+    with pytest.raises(ValueError, match="does not fit a warm-up of 40 images"):
+        Proton(T, cfg).load_state_dict(det.state_dict() | {"var_ref": torch.tensor(math.nan, dtype=torch.float64)})

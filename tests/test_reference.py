@@ -98,3 +98,17 @@ def test_each_path_matches_reference(case, path):
     assert max_abs_diff(got, ref_score) <= 1e-10
     if case == "confidence-exactly-at-gamma": assert ref_enq[::3].all()  # the inclusive gate admits confidences equal to γ
     if case == "calibration-boundary": assert 0 < ref_cal.mean() < 1
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_warm_up_reference_variance_on_every_path(path):
+    "σ²₀ read off the base score's variance over the first W images, then fixed; σ²₀ = var_ref until then."
+    cfg = dict(bank_size=5, k_min=2, temperature=0.2, warmup=40, var_ref=0.5)
+    T, E = clustered_stream(3, 16, 300, seed=11)
+    ref_score = reference_proton(T, E, **cfg)[0]
+    det = Proton(T, ProtonConfig(**cfg))
+    got = torch.cat(PATHS[path](det, E))
+    assert max_abs_diff(got, ref_score) <= 1e-10
+    assert max_abs_diff(got, reference_proton(T, E, **(cfg | dict(warmup=0)))[0]) > 1e-3  # the warm-up matters here
+    base = reference_proton(T, E, **cfg)[1]
+    assert det.var_ref == pytest.approx(np.var(base[:40]), abs=1e-12)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from proton import Proton, ProtonConfig
+from proton.detector import DEFAULT_TEMPERATURE
 from proton.scores import as_unit_rows
 
 
@@ -74,7 +75,7 @@ def sync(device):
 
 def throughput(sizes, classes, slow_max, device, repeat):
     "Rows of samples/s for the three implementations (the slow ones only up to `slow_max` images)."
-    rows, cfg = [], ProtonConfig()
+    rows, cfg = [], ProtonConfig(temperature=DEFAULT_TEMPERATURE)  # τ explicit: the numpy loop reads it from the config
     for C in classes:
         T, X = stream(max(sizes), C, device=device)
         for n in sizes:

@@ -11,7 +11,7 @@ cfg = cfg["DEFAULT"]
 
 statuses = ["Planning", "Pre-Alpha", "Alpha", "Beta", "Production/Stable", "Mature", "Inactive"]
 reqs = lambda key: cfg.get(key, "").split()
-plot, course, vlm, data, dev = (reqs(f"{k}_requirements") for k in ("plot", "course", "vlm", "data", "dev"))
+plot, course, vlm, data, interop, dev = (reqs(f"{k}_requirements") for k in ("plot", "course", "vlm", "data", "interop", "dev"))
 
 setuptools.setup(
     name=cfg["lib_name"],
@@ -35,8 +35,8 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["proton", "proton.*"]),
     include_package_data=True,
     install_requires=reqs("requirements"),
-    extras_require={"plot": plot, "course": plot + course, "vlm": vlm, "data": data, "all": plot + course + vlm + data,
-                    "dev": dev + plot + course + vlm + data},
+    extras_require={"plot": plot, "course": plot + course, "vlm": vlm, "data": data, "interop": interop,
+                    "all": plot + course + vlm + data + interop, "dev": dev + plot + course + vlm + data + interop},
     entry_points={"nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
                   "console_scripts": cfg.get("console_scripts", "").split("\n")},
     zip_safe=False,

@@ -16,8 +16,9 @@ $(STAMP): setup.py settings.ini pyproject.toml
 	$(BIN)/python -c "import proton, nbdev, jupyter_book, pytest, seaborn, open_clip, pooch"
 	touch $(STAMP)
 
+# progress bars stay for people running the code; the rendered book shows none
 book: $(STAMP)
-	$(BIN)/jupyter-book build . $(BOOK_FLAGS)
+	TQDM_DISABLE=1 $(BIN)/jupyter-book build . $(BOOK_FLAGS)
 
 # everything CI runs: the export check, the notebooks' tests, pytest, then the site built and checked in a real browser
 test: check-export test-nbs test-py test-site

@@ -249,3 +249,28 @@ def test_screenshots(site):
         shot.unlink(missing_ok=True)
         chromium(f"--screenshot={shot}", "--window-size=1280,2000", url)
         assert shot.is_file() and shot.stat().st_size > 20_000, f"no usable screenshot of {page_name(url, site.base)}"
+
+
+OUTPUT_PROBLEMS = {  # what no output of the rendered book may show: name -> pattern
+    "a progress bar": re.compile(r"\d+%\|[^|\n]*\||\[\d+:\d+<\d+:\d+|\d+(?:\.\d+)?(?:it|s)/(?:s|it)\]"),
+    "a Python warning": re.compile(r"\b\w*Warning: "),
+    "a machine path": re.compile(r"/tmp/|/root/|/home/|/work/|\.venv/|site-packages"),
+    "a traceback": re.compile(r"Traceback \(most recent call last\)"),
+}
+
+
+def output_problems(html):
+    "What the cell outputs of the built book at `html` show that a reader should not see, one line each."
+    found = []
+    for f in TOC_FILES:
+        for out in BeautifulSoup((html / f"{f}.html").read_text(), "html.parser").select("div.cell_output"):
+            text = out.get_text()
+            found += [f"{f}: {what}: {m.group(0)!r}" for what, p in OUTPUT_PROBLEMS.items() for m in [p.search(text)] if m]
+    return found
+
+
+def test_outputs_show_no_progress_bar_warning_path_or_traceback():
+    "Progress bars stay for people running the code; the rendered book shows none, nor warnings, machine paths or tracebacks."
+    if not HTML.is_dir(): pytest.fail(NOT_BUILT)
+    found = output_problems(HTML)
+    assert not found, report(found)

@@ -11,6 +11,7 @@ __all__ = ['METHODS', 'HELD_OUT_FRACTION', 'METRICS', 'COLUMNS', 'PAPER_PROTOCOL
 import argparse
 import inspect
 import json
+import os
 import sys
 import tempfile
 import warnings
@@ -38,9 +39,11 @@ def import_pandas():
     return pandas
 
 def import_tqdm():
-    try: from tqdm import tqdm
+    "tqdm's progress bar, off when the environment sets TQDM_DISABLE (as the book's build does); or a message how to install it."
+    try: from tqdm.auto import tqdm
     except ImportError as e: raise ImportError('the evaluation bench shows tqdm progress bars: pip install "proton-ood[plot]"') from e
-    return tqdm
+    quiet = bool(os.environ.get("TQDM_DISABLE"))
+    return lambda *args, disable=False, **kwargs: tqdm(*args, disable=disable or quiet, **kwargs)
 
 # %% ../../nbs/23_evaluation.ipynb
 class Method(NamedTuple):

@@ -252,14 +252,14 @@ def _state_structure(sd, config_keys):
         got = sorted(cfg) if isinstance(cfg, dict) else type(cfg).__name__
         raise ValueError(f"state config must have the keys {sorted(config_keys)}, got {got}")
 
-def _state_tensor(sd, key:str, kind:str, shape:tuple, what:str):
+def _state_tensor(sd, key:str, kind:str, shape:tuple, what:str, finite:bool=True):
     "`sd[key]` as a tensor of `kind` ('float' or 'int') and `shape`, or a `ValueError` naming what is wrong."
     try: t = torch.as_tensor(sd[key])
     except (TypeError, ValueError, RuntimeError): raise ValueError(f"state {what} must be a tensor, got {type(sd[key]).__name__}") from None
     if kind == "float" and not t.is_floating_point(): raise ValueError(f"state {what} must be floating point, got {t.dtype}")
     if kind == "int" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool): raise ValueError(f"state {what} must be integers, got {t.dtype}")
     if tuple(t.shape) != tuple(shape): raise ValueError(f"state {what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if kind == "float" and what != "var_ref" and not torch.isfinite(t).all(): raise ValueError(f"state {what} contains NaN or Inf")
+    if kind == "float" and finite and not torch.isfinite(t).all(): raise ValueError(f"state {what} contains NaN or Inf")
     return t
 
 def _check_state(self:Proton, sd):
@@ -288,7 +288,7 @@ def _check_state(self:Proton, sd):
     if ((torch.linalg.vector_norm(bank[filled], dim=-1) - 1).abs() > tol).any(): raise ValueError("state bank rows must have unit length")
     learned = None
     if "var_ref" in sd:
-        v = _state_tensor(sd, "var_ref", "float", (), "var_ref").item()  # NaN until the warm-up is over
+        v = _state_tensor(sd, "var_ref", "float", (), "var_ref", finite=False).item()  # NaN until the warm-up is over
         W = self.config.warmup
         if (math.isnan(v) != (W == 0 or n < W)) or v < 0: raise ValueError(f"state var_ref {v} does not fit a warm-up of {W} images after {int(n)} images")
         learned = None if math.isnan(v) else v

@@ -173,7 +173,6 @@ class Protocol:
     order:str="shuffled" # how streams are arranged, one of `ORDERS`
     held_out_fraction:float=HELD_OUT_FRACTION # ID share held out, labelled, to fit the privileged methods (and only when they run)
     fpr95_convention:str="ju2025" # the FPR95 of Ju et al.'s benchmark, whose protocol the paper adopts
-    recall:float=0.95 # the recall level of FPR95
 
 PAPER_PROTOCOL = Protocol()
 

@@ -99,15 +99,30 @@ class Proton:
 def _classify(self:Proton,
               X:Tensor, # (N, d) image embeddings, L2-normalised unless `norms` is given
               norms:Tensor|None=None, # (N,) lengths of the rows of X; their cosines are then divided by them
-              base=None): # (N,) base scores computed elsewhere; None: `config.base_score` of the logits
+              base=None, # (N,) base scores computed elsewhere; None: `config.base_score` of the logits
+              routed:Tensor|None=None): # (N,) class each image is routed to upstream, checked; None: the zero-shot class
     "The stateless quantities of each image: (base, confidence, predicted), the base score checked."
     logits = zero_shot_logits(X, self.text, self.temperature)
     if norms is not None: logits /= norms[:, None]
-    if base is None: return classify(logits, self.base_fn)
-    base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
-    if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")
-    return (base, *classify(logits, lambda l: base)[1:])
+    if base is None: out = classify(logits, self.base_fn)
+    else:
+        base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
+        if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")
+        out = (base, *classify(logits, lambda l: base)[1:])
+    if routed is None: return out
+    return out[0], (logits.gather(1, routed[:, None]).squeeze(1) - logits.logsumexp(1)).exp(), routed
 Proton._classify = _classify
+
+def _check_routed(self:Proton, routed, n:int): # (n,) classes, any integer array
+    "`routed` as a long tensor of `n` classes in [0, C), or a `ValueError` naming the problem."
+    r = routed.detach() if isinstance(routed, Tensor) else torch.as_tensor(routed)
+    if r.is_floating_point() or r.is_complex() or r.dtype == torch.bool: raise ValueError(f"routed classes must be integers, got dtype {r.dtype}")
+    r = r.reshape(-1).long().to(self.device)
+    if len(r) != n: raise ValueError(f"routed classes must hold one class per image ({n}), got {len(r)}")
+    if len(r) and (r.min() < 0 or r.max() >= self.n_classes):
+        raise ValueError(f"routed classes must lie in [0, {self.n_classes}), got [{r.min().item()}, {r.max().item()}]")
+    return r
+Proton._check_routed = _check_routed
 
 # %% ../nbs/14_detector.ipynb
 def _steps(self:Proton,
@@ -158,13 +173,14 @@ def _scan(self:Proton,
           X:Tensor, # (N, d) image embeddings, not yet normalised
           norms:Tensor, # (N,) their lengths
           base:Tensor|None, # (N,) base scores computed elsewhere, or None
+          routed:Tensor|None, # (N,) classes the images are routed to, or None
           keep_parts:bool): # return a `ProtonParts`, not only the scores
     "The vectorised path: the batch in chunks through the engine, with work arrays reused from chunk to chunk."
     size = chunk_size(self.device)
     buffers, out = ChunkBuffers(self.bank, min(len(X), size)), []
     for a in range(0, len(X), size):
         rows, lengths = X[a:a + size], norms[a:a + size]
-        b, confidence, predicted = self._classify(rows, lengths, None if base is None else base[a:a + size])
+        b, confidence, predicted = self._classify(rows, lengths, _part(base, a, a + size), _part(routed, a, a + size))
         (score, proto, alpha, calibrated, gated), self.welford = scan_chunk(
             self.bank, self.welford, self._active, buffers.stage(rows, lengths), b, confidence, predicted, buffers)
         out.append(ProtonParts(score, b, proto, alpha, calibrated, gated, predicted) if keep_parts else score)  # scores alone save memory
@@ -180,33 +196,37 @@ def _learn_var_ref(self:Proton):
     "Read σ²_0 off the warm-up once its W images have been seen."
     if self.config.warmup and self._learned_var_ref is None and self.welford.n >= self.config.warmup: self._set_var_ref(self.welford.var)
 
-def _score_rows(self:Proton, X:Tensor, norms:Tensor, base, keep_parts:bool):
+def _part(x:Tensor|None, a:int, b:int): return None if x is None else x[a:b]
+
+def _score_rows(self:Proton, X:Tensor, norms:Tensor, base, routed, keep_parts:bool):
     "Score rows on the step path or the vectorised engine, by their number."
-    if len(X) > STEP_MAX: return self._scan(X, norms, base, keep_parts)
-    parts = self._steps(X / norms[:, None], *self._classify(X, norms, base))
+    if len(X) > STEP_MAX: return self._scan(X, norms, base, routed, keep_parts)
+    parts = self._steps(X / norms[:, None], *self._classify(X, norms, base, routed))
     return parts if keep_parts else parts.score
 
 def _score(self:Proton,
            image_embeddings, # (N, d) or (d,) image embeddings of the next stream images, in order
            return_parts:bool=False, # return a `ProtonParts` instead of the scores alone
-           base=None): # (N,) base scores of these images computed elsewhere; None: `config.base_score` of their logits
+           base=None, # (N,) base scores of these images computed elsewhere; None: `config.base_score` of their logits
+           routed=None): # (N,) class an upstream system routes each image to; None: its zero-shot class
     "Score the next images of the stream (higher = more OOD) and advance the detector's state, all or nothing."
-    if not return_parts and base is None and (one := self._score_one(image_embeddings)) is not None:
+    if not return_parts and base is None and routed is None and (one := self._score_one(image_embeddings)) is not None:
         self._learn_var_ref()
         return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
     if base is not None: base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores").reshape(-1)
+    if routed is not None: routed = self._check_routed(routed, len(X))
     saved = self._snapshot()
     try:
         with torch.no_grad():  # a base score that builds autograd history must not leave it in the bank
             cut = self.config.warmup - self.welford.n if self._learned_var_ref is None else 0
             if not 0 < cut < len(X):
-                out = self._score_rows(X, norms, base, return_parts)
+                out = self._score_rows(X, norms, base, routed, return_parts)
                 self._learn_var_ref()
                 return out
-            head = self._score_rows(X[:cut], norms[:cut], None if base is None else base[:cut], return_parts)  # the end of the warm-up
+            head = self._score_rows(X[:cut], norms[:cut], _part(base, 0, cut), _part(routed, 0, cut), return_parts)  # the end of the warm-up
             self._learn_var_ref()
-            tail = self._score_rows(X[cut:], norms[cut:], None if base is None else base[cut:], return_parts)
+            tail = self._score_rows(X[cut:], norms[cut:], _part(base, cut, None), _part(routed, cut, None), return_parts)
         return ProtonParts(*(torch.cat(p) for p in zip(head, tail))) if return_parts else torch.cat([head, tail])
     except BaseException:
         self._restore(saved)

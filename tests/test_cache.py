@@ -368,51 +368,26 @@ def test_drift_and_burst_put_ood_where_promised():
     assert np.array_equal(ood, np.arange(ood[0], ood[0] + 40)) and ood[0] == 40
 
 
-@pytest.mark.parametrize("fraction, seed", [(0.0, 0), (0.05, 1), (0.25, 2), (0.5, 3), (0.8, 4)])
+@pytest.mark.parametrize("fraction, seed", [(0.0, 0), (0.05, 1), (0.25, 2), (0.5, 3), (1.0, 4)])
 def test_misrouting_fraction_is_exact(fraction, seed):
-    id_rows = np.flatnonzero(CACHE.shift == "id")
-    before = CACHE.predicted()
-    bad = misroute(CACHE, fraction, seed=seed)
-    after = bad.predicted()
-    newly_wrong = (before == CACHE.labels) & (after != CACHE.labels)
-    assert newly_wrong.sum() == round(fraction * len(id_rows))
-    assert np.array_equal(np.flatnonzero(after != before), np.flatnonzero(newly_wrong))
-    changed = np.flatnonzero((bad.image_embeddings != CACHE.image_embeddings).any(1))
-    assert np.array_equal(changed, np.flatnonzero(newly_wrong))  # nothing else moved, not even by rounding
-    assert bad.metadata["misrouted"]["rows"] == changed.tolist()
-    assert np.array_equal(bad.labels, CACHE.labels) and np.array_equal(bad.shift, CACHE.shift)
-    np.testing.assert_allclose(np.linalg.norm(bad.image_embeddings, axis=1), np.linalg.norm(CACHE.image_embeddings, axis=1), rtol=1e-5)
+    routed = misroute(CACHE, fraction, seed=seed)
+    own = CACHE.predicted()
+    assert routed.shape == (len(CACHE),) and routed.dtype == np.int64
+    assert (routed != own).sum() == round(fraction * len(CACHE))
+    assert ((routed >= 0) & (routed < CACHE.n_classes)).all()
 
 
-def test_misrouting_with_three_classes_keeps_the_change_in_the_text_span():
+def test_misrouting_with_three_classes_reaches_both_other_classes():
     world = SyntheticWorld(n_classes=3, seed=5)
-    c = EmbeddingCache.from_world(world, n_id=90, n_per_shift=5, seed=0)
-    bad = misroute(c, 0.3, seed=0)
-    delta = (bad.image_embeddings - c.image_embeddings).astype(np.float64)
-    T = c.text_embeddings.astype(np.float64)
-    assert np.abs(delta - delta @ np.linalg.pinv(T) @ T).max() < 1e-5
-    assert ((c.predicted() != bad.predicted()).sum()) == round(0.3 * 90)
+    c = EmbeddingCache.from_world(world, n_id=90, n_per_shift=30, seed=0)
+    routed, own = misroute(c, 0.5, seed=0), c.predicted()
+    shift = (routed - own) % 3
+    assert set(shift[routed != own].tolist()) == {1, 2}
 
 
 def test_misrouting_refuses_impossible_requests():
-    with pytest.raises(ValueError, match="cannot misroute 80 of 80 ID images"):
-        misroute(CACHE, 1.0)
     with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
         misroute(CACHE, -0.1)
-
-
-def test_misrouting_stays_exact_for_images_on_the_decision_boundary():
-    "Images a hair from the bisector of two classes: some reflections round back to the old class and must be skipped."
-    rng = np.random.default_rng(0)
-    T = rng.normal(size=(2, 8)); T /= np.linalg.norm(T, axis=1, keepdims=True)
-    w = (T[0] - T[1]) / np.linalg.norm(T[0] - T[1])
-    E = rng.normal(size=(200, 8))
-    E = (E - np.outer(E @ w, w) + 1e-9 * w).astype(np.float32)  # near-ties after rounding to float32
-    E = E[(E.astype(np.float64) @ T.T).argmax(1) == 0]
-    c = EmbeddingCache(image_embeddings=E, text_embeddings=T, class_names=["a", "b"], labels=np.zeros(len(E), int),
-                       shift=["id"] * len(E), temperature=0.01)
-    bad = misroute(c, 0.25)
-    assert (bad.predicted() != 0).sum() == round(0.25 * len(E))
 
 
 def test_what_the_detector_would_refuse_is_refused_at_construction():

@@ -176,3 +176,13 @@ def test_runs_without_privileged_methods_keep_every_id_image(cache):
     assert (df.n_id == (cache.shift == "id").sum()).all()
     df, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, rho=None)
     assert (df.n_id < (cache.shift == "id").sum()).all()
+
+
+def test_mcm_responds_to_misrouting(cache):
+    "Misrouting forces the routed class; MCM scores that class's probability, so its AUROC must move with the level."
+    from proton.bench.experiments.robustness import robustness
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        df = robustness(cache, rhos=(), misrouted=(0., .3), orders=(), n_permutations=1, progress=False)
+    mcm = df[(df.method == "mcm") & (df["shift"] == "covariate")].set_index("misrouted").auroc
+    assert abs(mcm[0.3] - mcm[0.0]) > 0.02

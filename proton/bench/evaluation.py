@@ -23,13 +23,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .baselines import BASELINES, NO_LOCAL, NO_PROMPTS, ZERO_SHOT, HeldOut, baseline_scores, split_held_out
+from .baselines import BASELINES, NO_LOCAL, NO_PROMPTS, ZERO_SHOT, HeldOut, baseline_scores, routed_score, split_held_out
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
 from ..scores import as_unit_rows, compute_dtype
-from .streams import ORDERS, Stream, stream_permutations
+from .streams import ORDERS, Stream, misroute, stream_permutations
 from .synth import PRESETS, SHIFTS, SyntheticWorld
 
 # %% ../../nbs/23_evaluation.ipynb
@@ -75,8 +75,9 @@ class _Prepared:
     def __init__(self,
                  cache:EmbeddingCache, # the images the streams draw from
                  held_out:HeldOut|None=None, # labelled held-out ID split, for the privileged methods
-                 prompt_text_embeddings=None): # (P, C, d) several prompts per class, for the prompt baselines
-        self.cache, self.held_out, self.prompts = check_cache(cache), held_out, prompt_text_embeddings
+                 prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
+                 routed=None): # (N,) class each image is routed to (see `misroute`); None: its zero-shot class
+        self.cache, self.held_out, self.prompts, self.routed = check_cache(cache), held_out, prompt_text_embeddings, routed
         dtype = compute_dtype(cache.text_embeddings)
         self.E = as_unit_rows(cache.image_embeddings, dtype=dtype, name="image embeddings")
         self.T = as_unit_rows(cache.text_embeddings, dtype=dtype, name="text embeddings")
@@ -86,8 +87,10 @@ class _Prepared:
         "(N,) scores of baseline `name` on every image of the cache, computed once."
         if name not in self._scores:
             c = self.cache
-            self._scores[name] = baseline_scores(name, self.E, self.T, c.temperature, local_embeddings=c.local_embeddings,
-                                                 prompt_text_embeddings=self.prompts, held_out=self.held_out)
+            if self.routed is not None and not BASELINES[name].privileged:
+                self._scores[name] = routed_score(name, self.E, self.T, c.temperature, self.routed)
+            else: self._scores[name] = baseline_scores(name, self.E, self.T, c.temperature, local_embeddings=c.local_embeddings,
+                                                       prompt_text_embeddings=self.prompts, held_out=self.held_out)
         return self._scores[name]
 
 # %% ../../nbs/23_evaluation.ipynb
@@ -98,7 +101,7 @@ def _proton_scores(self:_Prepared,
     "(n,) PROTON scores of a stream, from a fresh detector."
     det = Proton(self.T, config, temperature=self.cache.temperature)
     i = torch.as_tensor(indices, dtype=torch.long)
-    return det.score(self.E[i], base=self.scores(baseline)[i])
+    return det.score(self.E[i], base=self.scores(baseline)[i], routed=None if self.routed is None else self.routed[indices])
 
 def _stream_scores(self:_Prepared,
                    method:Method, # what to score with
@@ -267,6 +270,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
              held_out_fraction:float|None=PAPER_PROTOCOL.held_out_fraction, # ID share held out when a privileged method runs; 0: none
              fpr95_convention:str=PAPER_PROTOCOL.fpr95_convention, # how FPR95 is computed, one of `FPR95_CONVENTIONS`
              prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
+             misrouted:float=0., # share of the images routed to a wrong class (see `misroute`); 0: none
              warmup:int=50, # leading ID images, for order="id_first"
              progress:bool=True, # show a tqdm bar
              threads:int|None=1): # torch threads while evaluating; None: torch's setting
@@ -285,7 +289,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
         why, held_out_fraction = f"only {(cache.shift == 'id').sum()} ID images, too few for a held-out split", 0
     with torch_threads(threads):
         test, held_out, _ = carve_held_out(cache, held_out_fraction, seed)
-        prepared = _Prepared(test, held_out, prompt_text_embeddings)
+        prepared = _Prepared(test, held_out, prompt_text_embeddings, misroute(test, misrouted, seed) if misrouted else None)
         runnable, skipped = _runnable(prepared, variants, why)
         streams, no_stream = _streams(test, shifts, n_permutations=int(n_permutations), seed=seed, rho=rho, order=order,
                                       warmup=warmup, sample_seed=seed)

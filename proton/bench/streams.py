@@ -6,14 +6,11 @@
 __all__ = ['ORDERS', 'Stream', 'make_stream', 'stream_permutations', 'misroute']
 
 # %% ../../nbs/21_streams.ipynb
-from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from .cache import EmbeddingCache, check_cache
-from ..scores import as_unit_rows
 from .synth import SHIFTS
 
 # %% ../../nbs/21_streams.ipynb
@@ -89,30 +86,15 @@ def stream_permutations(cache:EmbeddingCache, # the embedding cache the streams 
     return [(s, make_stream(cache, shift, rho, order, s, warmup, sample_seed)) for s in range(seed, seed + int(n_permutations))]
 
 # %% ../../nbs/21_streams.ipynb
-def misroute(cache:EmbeddingCache, # the embedding cache to corrupt
-             fraction:float, # f, fraction of the ID images whose zero-shot class is forced wrong
+def misroute(cache:EmbeddingCache, # the images to route
+             fraction:float, # f, share of the images routed to a class other than their zero-shot class
              seed:int=0): # seed of the choice of images and of their wrong classes
-    "A copy of `cache` in which round(f·n_id) correctly classified ID images are reflected into a wrong class."
+    "(N,) class each image is routed to: its zero-shot class, but a random other class for round(f·N) random images."
     check_cache(cache)
     if not 0 <= fraction <= 1: raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    if cache.n_classes < 2: raise ValueError("misrouting needs at least two classes, the cache has one")
-    id_rows = np.flatnonzero(cache.shift == "id")
-    k = round(fraction * len(id_rows))
-    labels, predicted = cache.labels, cache.predicted()
+    if cache.n_classes < 2 and fraction > 0: raise ValueError("misrouting needs at least two classes, the cache has one")
+    routed = cache.predicted().astype(np.int64)
     rng = np.random.default_rng(seed)
-    rows = rng.permutation(id_rows[predicted[id_rows] == labels[id_rows]])
-    a = labels[rows]
-    b = (a + rng.integers(1, cache.n_classes, len(rows))) % cache.n_classes  # uniform over the other classes
-    T = as_unit_rows(cache.text_embeddings, dtype=torch.float64).numpy()
-    w = T[a] - T[b]
-    w /= np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
-    E = cache.image_embeddings[rows].astype(np.float64)
-    moved = (E - 2 * (E * w).sum(1, keepdims=True) * w).astype(cache.image_embeddings.dtype)
-    wrong = (moved.astype(np.float64) @ T.T).argmax(1) != a  # judged after rounding to the stored dtype
-    rows, moved = rows[wrong][:k], moved[wrong][:k]
-    if len(rows) < k:
-        raise ValueError(f"cannot misroute {k} of {len(id_rows)} ID images: only {len(rows)} are correctly classified and movable")
-    image_embeddings = cache.image_embeddings.copy()
-    image_embeddings[rows] = moved
-    record = dict(fraction=fraction, seed=seed, rows=np.sort(rows).tolist())
-    return replace(cache, image_embeddings=image_embeddings, metadata=cache.metadata | {"misrouted": record})
+    rows = rng.permutation(len(cache))[:round(fraction * len(cache))]
+    routed[rows] = (routed[rows] + rng.integers(1, max(cache.n_classes, 2), len(rows))) % cache.n_classes  # uniform over the others
+    return routed

@@ -11,11 +11,11 @@ import numpy as np
 from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
-from ..streams import ORDERS, misroute
+from ..streams import ORDERS
 
 # %% ../../../nbs/27_robustness.ipynb
 RHOS = (0.9, 0.7, 0.3, 0.1)  # ID fractions ρ of the stream
-MISROUTED = (0.0, 0.1, 0.2, 0.3)  # shares of ID images forced to a wrong zero-shot class
+MISROUTED = (0.0, 0.1, 0.2, 0.3)  # shares of images routed to a class other than their zero-shot class
 
 def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
                rhos=RHOS, # ID fractions to try
@@ -29,12 +29,12 @@ def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
                progress:bool=True, # show tqdm bars
                **options): # further arguments of `evaluate`
     "Experiment 4: `methods` as ρ, misrouting and order vary one at a time; the settings in front of `evaluate`'s columns."
-    runs = ([("rho", cache, dict(rho=r), dict(rho=r, misrouted=0., order="shuffled")) for r in rhos] +
-            [("misrouting", misroute(cache, f, seed), dict(rho=rho), dict(rho=rho or np.nan, misrouted=f, order="shuffled")) for f in misrouted] +
-            [("order", cache, dict(rho=rho, order=o), dict(rho=rho or np.nan, misrouted=0., order=o)) for o in orders])
+    runs = ([("rho", dict(rho=r), dict(rho=r, misrouted=0., order="shuffled")) for r in rhos] +
+            [("misrouting", dict(rho=rho, misrouted=f), dict(rho=rho or np.nan, misrouted=f, order="shuffled")) for f in misrouted] +
+            [("order", dict(rho=rho, order=o), dict(rho=rho or np.nan, misrouted=0., order=o)) for o in orders])
     frames = []
-    for factor, c, settings, columns in runs:
-        df = evaluate(c, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
+    for factor, settings, columns in runs:
+        df = evaluate(cache, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
         for i, (key, value) in enumerate(dict(factor=factor, **columns).items()): df.insert(i, key, value)
         frames.append(df)
     return import_pandas().concat(frames, ignore_index=True)

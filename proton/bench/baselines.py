@@ -4,9 +4,9 @@
 
 # %% auto 0
 __all__ = ['ROUTED_SCORES', 'NO_LOCAL', 'PROMPT_POOLINGS', 'NO_PROMPTS', 'KNN_K', 'MAHALANOBIS_RIDGE', 'ZERO_SHOT', 'BASELINES',
-           'static_score', 'routed_score', 'gl_mcm_score', 'ensemble_text_embeddings', 'prompt_mcm_score',
-           'split_held_out', 'KNNScorer', 'fit_knn', 'MahalanobisScorer', 'fit_mahalanobis', 'Baseline', 'HeldOut',
-           'baseline_scores', 'noisy_views']
+           'PROMPT_SET_OF', 'static_score', 'routed_score', 'gl_mcm_score', 'ensemble_text_embeddings',
+           'prompt_mcm_score', 'split_held_out', 'KNNScorer', 'fit_knn', 'MahalanobisScorer', 'fit_mahalanobis',
+           'Baseline', 'HeldOut', 'baseline_scores', 'prompt_set_for', 'noisy_views']
 
 # %% ../../nbs/22_baselines.ipynb
 import math
@@ -249,6 +249,8 @@ BASELINES = {
                                     False, _PROMPTS),
     "hier_mcm": Baseline("MCM with each class's logit the mean over its prompts, as for hierarchical prompts (Ju et al. 2025)",
                          False, _PROMPTS),
+    "hier_mcm_l1": Baseline("MCM with the first level of the hierarchical prompts, one description per class (Ju et al. 2025)",
+                            False, _PROMPTS),
     "tag_mcm": Baseline("TAG: MCM averaged over augmented prompt sets (Liu & Zach 2024)", False, _PROMPTS),
     "knn_id": Baseline("kNN-ID: distance to the k-th nearest held-out ID embedding (Sun et al. 2022)", True, ("held_out",)),
     "mahalanobis_id": Baseline("Mahalanobis-ID: minimum Mahalanobis distance to held-out ID class means (Lee et al. 2018)",
@@ -264,7 +266,7 @@ _MISSING = {
     "held_out": "held_out=HeldOut(embeddings, labels), a labelled held-out ID split (see split_held_out); it is privileged",
 }
 
-_POOL = {"prompt_ensemble_mcm": "embedding", "hier_mcm": "logit", "tag_mcm": "score"}
+_POOL = {"prompt_ensemble_mcm": "embedding", "hier_mcm": "logit", "hier_mcm_l1": "logit", "tag_mcm": "score"}
 
 def baseline_scores(name:str, # a name in `BASELINES`
                     image_embeddings, # (N, d) image embeddings of the test stream
@@ -292,6 +294,19 @@ def baseline_scores(name:str, # a name in `BASELINES`
     if name == "knn_id": return fit_knn(held_out.embeddings, k).score(image_embeddings)
     if held_out.labels is None: raise ValueError(f"{name} needs held_out.labels, the classes of the held-out ID split")
     return fit_mahalanobis(held_out.embeddings, held_out.labels, ridge).score(image_embeddings)
+
+# %% ../../nbs/22_baselines.ipynb
+PROMPT_SET_OF = {"prompt_ensemble_mcm": "deepest", "hier_mcm": "deepest", "hier_mcm_l1": "L1", "tag_mcm": "tag"}
+
+def prompt_set_for(name:str, # a prompt baseline, a key of `PROMPT_SET_OF`
+                   available:tuple): # names of the prompt sets a cache holds
+    "The name of the prompt set baseline `name` pools, or a `ValueError` saying what is missing."
+    want = PROMPT_SET_OF[name]
+    levels = sorted((int(s[1:]), s) for s in available if s[:1] == "L" and s[1:].isdigit())
+    chosen = (levels[-1][1] if levels else None) if want == "deepest" else want if want in available else None
+    if chosen is None: raise ValueError(f"{name} needs the prompt set {'of a prompt hierarchy (L1, L5, ...)' if want == 'deepest' else repr(want)}; "
+                                        f"the cache has {list(available) or 'none'}")
+    return chosen
 
 # %% ../../nbs/22_baselines.ipynb
 def noisy_views(embeddings, # (N, d) embeddings to perturb

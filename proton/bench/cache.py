@@ -74,6 +74,36 @@ def _check_directions(E:np.ndarray, # (N, d) image embeddings
     if len(same): raise ValueError(f"text_embeddings rows {i[same[0]]} and {j[same[0]]} point the same way: two classes with one text embedding cannot be told apart")
 
 # %% ../../nbs/20_cache.ipynb
+def _check_prompt_sets(embeddings, prompts, classes, sets, C:int, d:int):
+    "The four prompt-set fields validated together: all None, or P embeddings, texts, classes in [0, C) and set names."
+    given = [x is not None for x in (embeddings, prompts, classes, sets)]
+    if not any(given): return dict(prompt_embeddings=None, prompts=None, prompt_class=None, prompt_set=None)
+    if not all(given): raise ValueError("prompt_embeddings, prompts, prompt_class and prompt_set come together: give all four or none")
+    P = _floats(embeddings, "prompt_embeddings", 2)
+    if P.shape[1] != d: raise ValueError(f"prompt_embeddings have dimension {P.shape[1]}, but image_embeddings have {d}")
+    if len(P) == 0: raise ValueError("prompt_embeddings hold no prompt; leave the prompt-set fields out instead")
+    if (np.linalg.norm(P.astype(np.float64), axis=1) < MIN_NORM).any(): raise ValueError("prompt_embeddings have zero-length rows")
+    texts, names = _strings(prompts, "prompts", len(P)), _strings(sets, "prompt_set", len(P))
+    cls = _array(classes, "prompt_class")
+    if cls.shape != (len(P),) or cls.dtype.kind not in "iu": raise ValueError(f"prompt_class must be {len(P)} integer class indices, got {cls.dtype} {cls.shape}")
+    if ((cls < 0) | (cls >= C)).any(): raise ValueError(f"prompt_class must lie in [0, {C}), got {sorted(set(cls.tolist()))}")
+    for s in dict.fromkeys(names):
+        missing = sorted(set(range(C)) - set(cls[np.array(names) == s].tolist()))
+        if missing: raise ValueError(f"prompt set {s!r} has no prompt for classes {missing}; every set needs every class")
+    return dict(prompt_embeddings=P, prompts=texts, prompt_class=cls.astype(np.int64), prompt_set=names)
+
+def _check_fit(embeddings, labels, C:int, d:int):
+    "The fit split validated: both None, or (F, d) finite embeddings with F class labels in [0, C)."
+    if embeddings is None and labels is None: return dict(fit_embeddings=None, fit_labels=None)
+    if embeddings is None or labels is None: raise ValueError("fit_embeddings and fit_labels come together: give both or neither")
+    F = _floats(embeddings, "fit_embeddings", 2)
+    if F.shape[1] != d: raise ValueError(f"fit_embeddings have dimension {F.shape[1]}, but image_embeddings have {d}")
+    y = _array(labels, "fit_labels")
+    if y.shape != (len(F),) or (len(y) and y.dtype.kind not in "iu"): raise ValueError(f"fit_labels must be {len(F)} integer classes, got {y.dtype} {y.shape}")
+    if ((y < 0) | (y >= C)).any(): raise ValueError(f"fit_labels must be ID classes in [0, {C}): fit images are labelled ID images")
+    return dict(fit_embeddings=F, fit_labels=y.astype(np.int64))
+
+# %% ../../nbs/20_cache.ipynb
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class EmbeddingCache:
     "Image and text embeddings of one model on one benchmark, with labels and shift types; validated on construction."
@@ -86,6 +116,12 @@ class EmbeddingCache:
     local_embeddings:np.ndarray|None=None # (N, L, d) local (patch) embeddings for GL-MCM, optional
     source:tuple|None=None # N file names the images came from, optional
     metadata:dict=field(default_factory=dict) # JSON-serialisable description: model, dataset, prompts, ...
+    prompt_embeddings:np.ndarray|None=None # (P, d) embeddings of the prompts of every prompt set, optional
+    prompts:tuple|None=None # P prompt texts
+    prompt_class:np.ndarray|None=None # (P,) class index of each prompt
+    prompt_set:tuple|None=None # P names of the set each prompt belongs to: "L1", "L5" (hierarchy levels), "tag", ...
+    fit_embeddings:np.ndarray|None=None # (F, d) labelled ID images outside the test set, to fit privileged detectors, optional
+    fit_labels:np.ndarray|None=None # (F,) their classes
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)
@@ -116,8 +152,9 @@ class EmbeddingCache:
         if not isinstance(self.metadata, dict): raise ValueError(f"metadata must be a dict, got {type(self.metadata).__name__}")
         try: metadata = json.loads(json.dumps(self.metadata, allow_nan=False))
         except (TypeError, ValueError) as e: raise ValueError(f"metadata must be JSON-serialisable: {e}") from None
+        extra = _check_prompt_sets(self.prompt_embeddings, self.prompts, self.prompt_class, self.prompt_set, C, d) | _check_fit(self.fit_embeddings, self.fit_labels, C, d)
         for k, v in dict(image_embeddings=E, text_embeddings=T, class_names=names, labels=labels, shift=shift,
-                         temperature=tau, local_embeddings=local, source=source, metadata=metadata).items(): put(k, v)
+                         temperature=tau, local_embeddings=local, source=source, metadata=metadata, **extra).items(): put(k, v)
 
 # %% ../../nbs/20_cache.ipynb
 def check_cache(cache, # what should be an embedding cache
@@ -141,8 +178,10 @@ def _repr(self:EmbeddingCache):
     counts = " ".join(f"{s}={int((self.shift == s).sum())}" for s in self.shifts_present)
     local = "none" if self.local_embeddings is None else f"L={self.local_embeddings.shape[1]}"
     model = self.metadata.get("model", "unknown model")
+    sets = "" if self.prompt_set is None else f"; prompt sets: {', '.join(dict.fromkeys(self.prompt_set))}"
+    fit = "" if self.fit_labels is None else f"; fit: {len(self.fit_labels)}"
     return (f"EmbeddingCache(N={len(self)}, C={self.n_classes} {list(self.class_names)}, d={self.dim}, "
-            f"{self.image_embeddings.dtype}, τ={self.temperature:g}; {counts}; local: {local}; {model})")
+            f"{self.image_embeddings.dtype}, τ={self.temperature:g}; {counts}; local: {local}{sets}{fit}; {model})")
 EmbeddingCache.__repr__ = _repr
 
 def _predicted(self:EmbeddingCache):
@@ -172,32 +211,56 @@ def _subset(self:EmbeddingCache,
 EmbeddingCache.subset = _subset
 
 # %% ../../nbs/20_cache.ipynb
+def _prompt_set_names(self:EmbeddingCache):
+    "Names of the cache's prompt sets, in the order they first appear."
+    return () if self.prompt_set is None else tuple(dict.fromkeys(self.prompt_set))
+
+def _prompt_group(self:EmbeddingCache,
+                  name:str): # a name in `prompt_set_names`
+    "The prompts of one set as C arrays (P_c, d), one per class in class order."
+    if name not in self.prompt_set_names:
+        raise ValueError(f"the cache has no prompt set {name!r}" + (f"; it has {list(self.prompt_set_names)}" if self.prompt_set_names else
+                         "; extract it with prompt sets (a prompt file with sets, see the extraction chapter)"))
+    in_set = np.array(self.prompt_set) == name
+    return [self.prompt_embeddings[in_set & (self.prompt_class == c)] for c in range(self.n_classes)]
+
+EmbeddingCache.prompt_set_names, EmbeddingCache.prompt_group = property(_prompt_set_names), _prompt_group
+
+# %% ../../nbs/20_cache.ipynb
+def _fit_from_world(world:SyntheticWorld, n_fit:int, seed:int, dtype):
+    "The fit-split fields of a simulated cache: `n_fit` ID images from their own seed, so the test images stay as they are."
+    if not n_fit: return {}
+    E, y = world.sample("id", n_fit, seed=seed + 1_000_003, dtype=torch.float64)
+    return dict(fit_embeddings=E.numpy().astype(dtype), fit_labels=y.numpy())
+
 def _from_world(cls,
                 world:SyntheticWorld, # the generator of text anchors and image embeddings
                 n_id:int=300, # number of ID images
                 n_per_shift:int=150, # number of images of every OOD shift
                 seed:int=0, # sampling seed
+                n_fit:int=0, # labelled ID images of a fit split, drawn apart from the test images
                 dtype=np.float32): # floating dtype of the stored embeddings
     "A simulated cache: `n_id` ID images and `n_per_shift` images of each OOD shift from `world`."
     from proton import __version__
-    for name, n in (("n_id", n_id), ("n_per_shift", n_per_shift)):
+    for name, n in (("n_id", n_id), ("n_per_shift", n_per_shift), ("n_fit", n_fit)):
         if int(n) != n or n < 0: raise ValueError(f"{name} must be a non-negative integer, got {n}")
     counts = {s: n_id if s == "id" else n_per_shift for s in SHIFTS}
     parts = [world.sample(s, counts[s], seed=seed, dtype=torch.float64) for s in SHIFTS]
     shift = np.repeat(SHIFTS, list(counts.values()))
     labels = np.where(shift == "id", torch.cat([y for _, y in parts]).numpy(), -1)
     metadata = dict(simulated=True, model="SyntheticWorld", dataset="synthetic", world=asdict(world),
-                    n_id=n_id, n_per_shift=n_per_shift, seed=seed, library_version=__version__,
+                    n_id=n_id, n_per_shift=n_per_shift, n_fit=n_fit, seed=seed, library_version=__version__,
                     created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return cls(image_embeddings=torch.cat([e for e, _ in parts]).numpy().astype(dtype),
                text_embeddings=world.text_embeddings(torch.float64).numpy().astype(dtype),
                class_names=[f"class {c}" for c in range(world.n_classes)], labels=labels, shift=shift,
-               temperature=world.temperature, metadata=metadata)
+               temperature=world.temperature, metadata=metadata, **_fit_from_world(world, n_fit, seed, dtype))
 EmbeddingCache.from_world = classmethod(_from_world)
 
 # %% ../../nbs/20_cache.ipynb
 CACHE_FORMAT = "proton-cache-1"
-_ARRAYS = ("image_embeddings", "text_embeddings", "labels", "shift", "local_embeddings", "source")
+_ARRAYS = ("image_embeddings", "text_embeddings", "labels", "shift", "local_embeddings", "source",
+           "prompt_embeddings", "prompts", "prompt_class", "prompt_set", "fit_embeddings", "fit_labels")  # the last six optional
 
 class CorruptCacheError(ValueError):
     "A cache file that cannot be trusted: unreadable, truncated, tampered with, or not a PROTON cache."
@@ -217,6 +280,10 @@ def _contents(self:EmbeddingCache):
                   labels=self.labels, shift=self.shift)
     if self.local_embeddings is not None: arrays["local_embeddings"] = self.local_embeddings
     if self.source is not None: arrays["source"] = np.array(self.source, dtype=str).reshape(len(self))
+    if self.prompt_set is not None:
+        arrays |= dict(prompt_embeddings=self.prompt_embeddings, prompt_class=self.prompt_class,
+                       prompts=np.array(self.prompts, dtype=str), prompt_set=np.array(self.prompt_set, dtype=str))
+    if self.fit_labels is not None: arrays |= dict(fit_embeddings=self.fit_embeddings, fit_labels=self.fit_labels)
     header = json.dumps(dict(format=CACHE_FORMAT, class_names=list(self.class_names), temperature=self.temperature,
                              metadata=self.metadata), sort_keys=True, ensure_ascii=False)
     return arrays, header

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .baselines import BASELINES, NO_LOCAL, NO_PROMPTS, ZERO_SHOT, HeldOut, baseline_scores, routed_score, split_held_out
+from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, baseline_scores, prompt_set_for,
+                                    routed_score, split_held_out)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
 from ..detector import Proton, ProtonConfig
@@ -86,11 +87,12 @@ class _Prepared:
     def scores(self, name:str): # a name in `BASELINES`
         "(N,) scores of baseline `name` on every image of the cache, computed once."
         if name not in self._scores:
-            c = self.cache
+            c, prompts = self.cache, self.prompts
+            if prompts is None and name in PROMPT_SET_OF: prompts = c.prompt_group(prompt_set_for(name, c.prompt_set_names))
             if self.routed is not None and not BASELINES[name].privileged:
                 self._scores[name] = routed_score(name, self.E, self.T, c.temperature, self.routed)
             else: self._scores[name] = baseline_scores(name, self.E, self.T, c.temperature, local_embeddings=c.local_embeddings,
-                                                       prompt_text_embeddings=self.prompts, held_out=self.held_out)
+                                                       prompt_text_embeddings=prompts, held_out=self.held_out)
         return self._scores[name]
 
 # %% ../../nbs/23_evaluation.ipynb
@@ -174,7 +176,9 @@ class Protocol:
     n_permutations:int=5 # stream orders per shift, with seeds seed, seed+1, ...
     seed:int=0 # seed of the first order, of the subsampling to ρ and of the held-out split
     order:str="shuffled" # how streams are arranged, one of `ORDERS`
-    held_out_fraction:float=HELD_OUT_FRACTION # ID share held out, labelled, to fit the privileged methods (and only when they run)
+    fit_split:bool=True # fit the privileged methods on the cache's fit split (ID images outside the test set) when it has one
+    held_out_fraction:float=HELD_OUT_FRACTION # else: ID share held out, labelled, to fit them (and only when they run)
+    prompt_sets:tuple=tuple(PROMPT_SET_OF.items()) # (prompt baseline, the prompt set it pools) pairs
     fpr95_convention:str="ju2025" # the FPR95 of Ju et al.'s benchmark, whose protocol the paper adopts
 
 PAPER_PROTOCOL = Protocol()
@@ -212,7 +216,8 @@ def _shifts(shifts):
 def _missing(prepared:_Prepared, method:Method, why_no_held_out:str):
     "Why `method` cannot run on the prepared cache, or None."
     if "local_embeddings" in method.needs and prepared.cache.local_embeddings is None: return NO_LOCAL
-    if "prompt_text_embeddings" in method.needs and prepared.prompts is None: return f"needs {NO_PROMPTS}"
+    if "prompt_text_embeddings" in method.needs and prepared.prompts is None and not prepared.cache.prompt_set_names:
+        return f"needs {NO_PROMPTS} or prompt sets in the cache"
     if method.privileged and prepared.held_out is None: return why_no_held_out
     try: prepared.scores(method.baseline)
     except ValueError as e: return str(e)
@@ -267,7 +272,8 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
              order:str=PAPER_PROTOCOL.order, # how streams are arranged, one of `ORDERS`
              seed:int=PAPER_PROTOCOL.seed, # seed of the first order, of the subsampling to rho and of the held-out split
              config:ProtonConfig|None=None, # PROTON's hyperparameters for methods given without one; None: the paper's
-             held_out_fraction:float|None=PAPER_PROTOCOL.held_out_fraction, # ID share held out when a privileged method runs; 0: none
+             fit_split:bool=PAPER_PROTOCOL.fit_split, # fit privileged methods on the cache's fit split, when it has one
+             held_out_fraction:float|None=PAPER_PROTOCOL.held_out_fraction, # else: ID share held out when a privileged method runs; 0: none
              fpr95_convention:str=PAPER_PROTOCOL.fpr95_convention, # how FPR95 is computed, one of `FPR95_CONVENTIONS`
              prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
              misrouted:float=0., # share of the images routed to a wrong class (see `misroute`); 0: none
@@ -283,12 +289,14 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     if fpr95_convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {fpr95_convention!r}: choose one of {FPR95_CONVENTIONS}")
     variants, shifts = _variants(methods, config), _shifts(shifts)
     check_cache(cache)
-    if not any(METHODS[name].privileged for name, _ in variants.values()): held_out_fraction = 0  # nothing to fit: streams keep every ID image
+    fit = fit_split and cache.fit_labels is not None
+    if fit or not any(METHODS[name].privileged for name, _ in variants.values()): held_out_fraction = 0  # streams keep every ID image
     why = f"held_out_fraction={held_out_fraction}: no labelled ID split to fit it on"
     if held_out_fraction and (cache.shift == "id").sum() < 2:  # too few to split; the streams report the missing ID images
         why, held_out_fraction = f"only {(cache.shift == 'id').sum()} ID images, too few for a held-out split", 0
     with torch_threads(threads):
-        test, held_out, _ = carve_held_out(cache, held_out_fraction, seed)
+        if fit: test, held_out = cache, HeldOut(cache.fit_embeddings, cache.fit_labels)
+        else: test, held_out, _ = carve_held_out(cache, held_out_fraction, seed)
         prepared = _Prepared(test, held_out, prompt_text_embeddings, misroute(test, misrouted, seed) if misrouted else None)
         runnable, skipped = _runnable(prepared, variants, why)
         streams, no_stream = _streams(test, shifts, n_permutations=int(n_permutations), seed=seed, rho=rho, order=order,
@@ -350,10 +358,10 @@ def summary_table(summary, # output of `summarize`
     return wide.reindex(long.index.droplevel("shift").unique()).fillna("")  # "": a setting not run on that shift
 
 # %% ../../nbs/23_evaluation.ipynb
-SIMULATED = dict(n_id=400, n_per_shift=200)  # images of a simulated evaluation: 1,000 in all
+SIMULATED = dict(n_id=400, n_per_shift=200, n_fit=100)  # images of a simulated evaluation: 1,000 test images and a fit split
 
 def simulated_cache(preset:str="default"): # a name in `PRESETS` of the synthetic world
-    "The embedding cache of a simulated evaluation: 400 ID images and 200 of each shift from a `SyntheticWorld` preset."
+    "The embedding cache of a simulated evaluation: 400 ID images, 200 of each shift and 100 ID images to fit on, from a `SyntheticWorld` preset."
     return EmbeddingCache.from_world(SyntheticWorld.preset(preset, seed=0), **SIMULATED)
 
 def _experiment_names(text:str):
@@ -447,7 +455,9 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     out = Path(args.out)
     simulated = all(c.metadata.get("simulated") for _, c in caches)
     protocol_file = out.with_name(f"{out.stem}_protocol.json")
-    protocol_file.write_text(json.dumps(asdict(args.protocol) | dict(experiments=names, caches=[label for label, _ in caches]), indent=2) + "\n")
+    fitted_on = lambda c: f"fit split, {len(c.fit_labels)} images" if c.fit_labels is not None and args.protocol.fit_split else f"{args.protocol.held_out_fraction:.0%} of the ID images held out"
+    protocol_file.write_text(json.dumps(asdict(args.protocol) | dict(experiments=names, caches={label: dict(privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names))
+                                                                                               for label, c in caches}), indent=2) + "\n")
     for name in names:
         result = _run_experiment(name, caches, args)
         if result is None: print(f"\n{name}: skipped: it sweeps synthetic worlds, so it runs only without cache files"); continue

@@ -12,7 +12,7 @@ from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
 # %% ../../../nbs/24_main_table.ipynb
-MAIN_METHODS = tuple(BASELINES) + ("proton",)  # every baseline, then PROTON over MCM
+MAIN_METHODS = tuple(BASELINES) + ("proton", "proton[hier_mcm]")  # every baseline, PROTON over MCM, and over hierarchical MCM
 
 def main_table(cache:EmbeddingCache, # the embedding cache to evaluate
                n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
@@ -20,5 +20,5 @@ def main_table(cache:EmbeddingCache, # the embedding cache to evaluate
                config:ProtonConfig|None=None, # PROTON's hyperparameters; None: the paper's
                progress:bool=True, # show a tqdm bar
                **options): # further arguments of `evaluate`: rho, prompt_text_embeddings, held_out_fraction, ...
-    "Experiment 1: every baseline and PROTON on every shift; the tidy results of `evaluate`."
+    "Experiment 1: every baseline, PROTON and Hier.MCM + PROTON on every shift; the tidy results of `evaluate`."
     return evaluate(cache, MAIN_METHODS, n_permutations=n_permutations, seed=seed, config=config, progress=progress, **options)

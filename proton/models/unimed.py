@@ -90,8 +90,9 @@ def load_bert_tokenizer(path:str|os.PathLike|None): # folder holding vocab.txt, 
     return BertTokenizer.from_pretrained(str(folder), local_files_only=True, do_lower_case=True)
 
 def clean_prompt(text:str): # a prompt
-    "`text` with HTML entities decoded and whitespace collapsed, as in UniMed-CLIP's training."
-    return re.sub(r"\s+", " ", html.unescape(html.unescape(text))).strip()
+    "`text` repaired by ftfy, HTML entities decoded and whitespace collapsed, as UniMed-CLIP's tokenizer does."
+    import ftfy  # an open_clip dependency, so present wherever this backend can run
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(ftfy.fix_text(text))).strip()).strip()
 
 # %% ../../nbs/42_unimed.ipynb
 class UniMedVLM(VLM):

@@ -15,37 +15,46 @@ from pathlib import Path
 
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
-from proton.bench.prepared import claim_folder, image_path, write_classes_file, write_split_table
-from proton.bench.synth import SHIFTS
+from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, claim_folder, image_path, write_classes_file,
+                                   write_prompt_sets, write_split_table)
+from prompts import prompt_sets
 from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    """What a benchmark needs: its ID classes and prompts, its sources and its draws."""
+    """What a benchmark needs: its ID classes and prompts, its sources, its draws and its prompt sets."""
     name: str
     classes: tuple[str, ...]  # ID class folders under <out>/id/, in label order
     class_names: tuple[str, ...]  # what a prompt says for each class
     prompt_template: str  # a domain template with one {} for the class name
     views: dict  # view name -> (manifest keys, opener(paths: dict[key, Path]) -> View)
-    draws: tuple[Draw, ...]
+    draws: tuple[Draw, ...]  # test draws first, then the fit draws, which exclude every image a test draw took
     ood_to_id: dict = field(default_factory=dict)  # covariate label -> the ID class it shows
+    prompt_sources: dict = field(default_factory=dict)  # prompt set name -> manifest key of the notebook that holds it
+    prompt_classes: dict = field(default_factory=dict)  # the notebooks' class keys -> our class folders
+    prompt_note: str = ""  # why there are no prompt sets, for the dry run
 
     def check(self) -> None:
         """Raise ``ValueError`` if the description is inconsistent."""
         if len(self.classes) != len(self.class_names):
             raise ValueError(f"{self.name}: {len(self.classes)} classes but {len(self.class_names)} class names")
-        for d in self.draws:
-            if d.shift not in SHIFTS:
+        for before, d in zip((None,) + self.draws, self.draws):
+            if d.shift not in FOLDERS:
                 raise ValueError(f"{self.name}: unknown shift {d.shift!r}")
             if d.view not in self.views:
                 raise ValueError(f"{self.name}: draw uses unknown view {d.view!r}")
-            if d.shift == "id" and not set(d.labels) <= set(self.classes):
-                raise ValueError(f"{self.name}: ID draw labels {d.labels} are not classes {self.classes}")
+            if d.shift in ("id", FIT) and not set(d.labels) <= set(self.classes):
+                raise ValueError(f"{self.name}: {d.shift} draw labels {d.labels} are not classes {self.classes}")
+            if before is not None and before.shift == FIT and d.shift != FIT:
+                raise ValueError(f"{self.name}: the {d.shift} draw {d.scope} follows a fit draw; fit draws come last")
+        if self.prompt_sources and sorted(set(self.prompt_classes.values())) != sorted(self.classes):
+            raise ValueError(f"{self.name}: prompt_classes maps to {sorted(set(self.prompt_classes.values()))}, "
+                             f"not to the classes {list(self.classes)}")
 
     def keys(self) -> list[str]:
-        """Manifest keys this benchmark downloads."""
-        return [k for view in self.views.values() for k in view[0]]
+        """Manifest keys this benchmark downloads: its image sources, then its prompt files."""
+        return [k for view in self.views.values() for k in view[0]] + list(self.prompt_sources.values())
 
 
 def prepare(bench: Benchmark, # what to prepare
@@ -56,15 +65,18 @@ def prepare(bench: Benchmark, # what to prepare
             limit: int | None = None, # at most this many images per draw (smoke tests; the split file is left alone)
             progressbar: bool = True, # show tqdm bars
             sources: dict | None = None, # manifest key -> how the file was verified and its SHA-256, for classes.json
+            prompts: dict | None = None, # prompt set name -> class folder -> prompts, for prompt_sets.json
             ) -> list[dict]:
-    """Select every draw's images, write them under ``out`` with split.csv and classes.json; return the split.csv rows."""
+    """Select every draw's images, write them under ``out`` with split.csv, classes.json and any prompt sets; return the split.csv rows."""
     from tqdm.auto import tqdm
 
     bench.check()
     shipped = read_split(split)
-    chosen, new = [], []
+    chosen, new, taken = [], [], {}
     for draw in bench.draws:
-        rows, sampled = select(draw, views[draw.view], shipped, seed, limit)
+        before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
+        rows, sampled = select(draw, views[draw.view], shipped, seed, limit, before)
+        before.update(r.original for r in fixed_rows(draw, shipped) + rows)
         chosen += [(draw, r) for r in rows]
         if sampled:
             new += rows
@@ -86,6 +98,8 @@ def prepare(bench: Benchmark, # what to prepare
             table.append({"file": target, "shift": row.shift, "label": row.label, "source": view_name})
     table = write_split_table(out, table)
     write_classes(bench, out, table, seed, sources or {})
+    if prompts:
+        write_prompt_sets(out, prompts)
     if new and limit is None:
         write_split(split, shipped + new)
     return table
@@ -100,7 +114,8 @@ def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sou
     write_classes_file(out, bench.classes, bench.class_names, {c: [name] for c, name in zip(bench.classes, bench.class_names)},
                        benchmark=bench.name, prompt_template=bench.prompt_template,
                        templated_prompts={c: [bench.prompt_template.format(name)] for c, name in zip(bench.classes, bench.class_names)},
-                       ood_to_id=bench.ood_to_id, counts=counts, seed=seed, sources=sources)
+                       ood_to_id=bench.ood_to_id, counts=counts, seed=seed, sources=sources,
+                       prompt_set_sources=dict(bench.prompt_sources))
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -146,7 +161,7 @@ def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
 
 def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, seed: int,
          local: dict[str, Path], limit: int | None = None) -> str:
-    """The dry-run report: every source (URL, size, licence, login, destination) and every draw. Touches no network."""
+    """The dry-run report: every source (URL, size, licence, login, destination), every draw and the prompt sets. Touches no network."""
     lines = [f"PROTON data, {bench.name} benchmark: dry run (nothing is downloaded or written)", "", "Sources:"]
     for key in bench.keys():
         e = manifest["sources"][key]
@@ -176,9 +191,17 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
         fixed = fixed_rows(d, rows)
         n = d.n if limit is None else min(d.n, limit)
         how = (f"fixed by the split file ({len(fixed)} rows)" if fixed else
-               f"sampled on the first run with seed {seed}" + ("" if limit else ", then added to the split file"))
+               f"sampled on the first run with seed {seed}" + (", among the images no test draw took" if d.shift == FIT else "")
+               + ("" if limit else ", then added to the split file"))
         folder = f"{d.shift}/{d.labels[0] if len(d.labels) == 1 else '<class>'}/"
         lines.append(f"  {n:4d}  {folder:<36} from {d.view:<12} {how}")
+    if any(d.shift == FIT for d in bench.draws):
+        lines += ["", "fit/ holds labelled ID images for fitting privileged detectors (kNN, Mahalanobis); none is a test image."]
+    if bench.prompt_sources:
+        lines += ["", f"Prompt sets, written to {out / PROMPT_SETS_FILE}:"]
+        lines += [f"  {name:<4} from {key} ({manifest['sources'][key]['title']})" for name, key in bench.prompt_sources.items()]
+    else:
+        lines += ["", f"Prompt sets: none. {bench.prompt_note}."]
     lines += ["", f"Also written: {out / 'split.csv'} (file, shift, label, source) and {out / 'classes.json'}"]
     return "\n".join(lines)
 
@@ -207,10 +230,11 @@ def run(bench: Benchmark, # the benchmark to prepare
             missing.append(str(err))
     if missing:
         raise LoginRequired("\n\n".join(missing))
+    prompts = prompt_sets(bench, paths)  # before any image is written: a bad prompt file stops the run early
     views = {name: opener(paths) for name, (_, opener) in bench.views.items()}
     sources = {key: provenance(manifest["sources"][key], path) for key, path in paths.items()}
     return prepare(bench, views, args.out, args.split, seed=args.seed, limit=args.limit,
-                   progressbar=not args.no_progress, sources=sources)
+                   progressbar=not args.no_progress, sources=sources, prompts=prompts)
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:
@@ -229,7 +253,7 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
     counts: dict = {}
     for r in result:
         counts[r["shift"]] = counts.get(r["shift"], 0) + 1
-    print(f"{bench.name}: wrote {len(result)} images ({', '.join(f'{s} {counts[s]}' for s in SHIFTS if s in counts)})")
+    print(f"{bench.name}: wrote {len(result)} images ({', '.join(f'{s} {counts[s]}' for s in FOLDERS if s in counts)})")
     return 0
 
 

@@ -4,9 +4,13 @@
   semantic   FIVES glaucoma (G) 150 and age-related macular degeneration (A) 150
   covariate  DeepDRiD ultra-wide-field fundus images 150
   far        Imagenette validation images 150
+  fit        FIVES normal 50 and diabetic retinopathy 50: the rest of each class, never a test image
+
+Prompt sets L1 and L5 are Ju et al.'s hierarchical prompts, read from two of their notebooks (pinned by commit
+and SHA-256 in the manifest).
 
 Example:  python data_scripts/ophthalmology.py --out data/ophthalmology
-Sources, sizes and licences: data_scripts/manifest.json; all three download without a login.
+Sources, sizes and licences: data_scripts/manifest.json; everything downloads without a login.
 """
 import sys
 
@@ -64,7 +68,11 @@ BENCHMARK = Benchmark(
         Draw("fives", "semantic", ("amd",), 150, fives_pick("A")),
         Draw("deepdrid_uwf", "covariate", ("uwf",), 150, uwf_pick),
         imagenette_draw(150),
+        Draw("fives", "fit", ("normal",), 50, fives_pick("N")),
+        Draw("fives", "fit", ("diabetic_retinopathy",), 50, fives_pick("D")),
     ),
+    prompt_sources={"L1": "ju_prompts_ophthalmology_l1", "L5": "ju_prompts_ophthalmology_l5"},
+    prompt_classes={"N/": "normal", "D/": "diabetic_retinopathy"},
 )
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@
   semantic   CRC-VAL-HE-7K tissue that is neither: adipose (ADI), debris (DEB), mucus (MUC),
              smooth muscle (MUS) and cancer-associated stroma (STR), 60 each
   far        Imagenette validation images 300
+  fit        PatchCamelyon test patches: benign 150 and malignant 150 more, never a test image
+
+No prompt sets: Ju et al.'s pathology prompts describe LC25000 lung tissue (lung_n, lung_aca), not PCam's
+benign/malignant lymph-node patches.
 
 Everything downloads from Zenodo and S3 without a login.  Reading PCam's HDF5 files needs h5py
 (`pip install h5py`).
@@ -85,8 +89,12 @@ BENCHMARK = Benchmark(
         Draw("crc_val", "covariate", ("tum",), 150, crc_pick("TUM")),
         *(Draw("crc_val", "semantic", (t.lower(),), 60, crc_pick(t)) for t in CRC_SEMANTIC),
         imagenette_draw(300),
+        Draw("pcam", "fit", ("benign",), 150, pcam_pick("benign")),
+        Draw("pcam", "fit", ("malignant",), 150, pcam_pick("malignant")),
     ),
     ood_to_id={"norm": "benign", "tum": "malignant"},
+    prompt_note="Ju et al.'s pathology prompts describe LC25000 lung tissue (lung_n, lung_aca), not PCam's "
+                "benign/malignant lymph-node patches, so none is fetched; classes.json's prompts are the only ones",
 )
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@
   covariate  chest CT slices of the same two classes (Kaggle 'COVID-19 & Normal & Pneumonia CT'),
              150 normal and 150 pneumonia, as Ju et al. (2025) use CT for covariate shift
   far        Imagenette validation images 300
+  fit        RSNA 'Normal' 150 and 'Lung Opacity' 150 more, never a test image
+
+Prompt sets L1 and L10 are Ju et al.'s hierarchical chest X-ray prompts, read from two of their notebooks (pinned
+by commit and SHA-256 in the manifest).
 
 Both medical sources are on Kaggle and need a free account (RSNA also needs its competition rules
 accepted once); the script prints exactly what to do when they are missing.  DICOM decoding needs
@@ -96,8 +100,12 @@ BENCHMARK = Benchmark(
         Draw("chest_ct", "covariate", ("normal_ct",), 150, ct_pick("normal_ct")),
         Draw("chest_ct", "covariate", ("pneumonia_ct",), 150, ct_pick("pneumonia_ct")),
         imagenette_draw(300),
+        Draw("rsna", "fit", ("normal",), 150, rsna_pick("normal")),
+        Draw("rsna", "fit", ("pneumonia",), 150, rsna_pick("pneumonia")),
     ),
     ood_to_id={"normal_ct": "normal", "pneumonia_ct": "pneumonia"},
+    prompt_sources={"L1": "ju_prompts_radiology_l1", "L10": "ju_prompts_radiology_l10"},
+    prompt_classes={"normal/": "normal", "N": "normal", "pneumonia/": "pneumonia", "P": "pneumonia"},
 )
 
 if __name__ == "__main__":

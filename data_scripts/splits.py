@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from archives import LayoutError, View
-from proton.bench.synth import SHIFTS
+from proton.bench.prepared import FOLDERS
 
 SPLITS = Path(__file__).resolve().parent / "splits"
 SPLIT_COLUMNS = ("source", "shift", "label", "original")  # a split file of the repository; the prepared folder's split.csv is another table
@@ -45,7 +45,7 @@ def choose(candidates: dict[str, str], # key -> label
 class Draw:
     """``n`` images of one shift from one source view, sampled among the candidates ``pick`` returns."""
     view: str  # name of the source view (a key of Benchmark.views), also the `source` column of split files
-    shift: str  # id | semantic | covariate | far
+    shift: str  # id | semantic | covariate | far, or fit (labelled ID images kept out of the test set)
     labels: tuple[str, ...]  # every label this draw can produce (folder names under <out>/<shift>/)
     n: int  # images to draw (the paper's count)
     pick: Callable[[View], dict[str, str]]  # view -> {key: label} of eligible images
@@ -79,7 +79,7 @@ def write_split(path: Path, rows: Iterable[Row]) -> None:
     """Write a split file sorted by source, shift, label and key (so that diffs stay small)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = sorted(set(rows), key=lambda r: (r.source, SHIFTS.index(r.shift), r.label, r.original))
+    rows = sorted(set(rows), key=lambda r: (r.source, FOLDERS.index(r.shift), r.label, r.original))
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(SPLIT_COLUMNS)
@@ -96,12 +96,17 @@ def select(draw: Draw, # what to draw
            rows: list[Row], # rows of the split file
            seed: int, # sampling seed for draws the split file does not fix
            limit: int | None = None, # at most this many images (smoke tests)
+           taken: frozenset | set = frozenset(), # keys of this view that earlier draws chose: never drawn again
            ) -> tuple[list[Row], bool]:
     """The rows a draw yields, and whether they were sampled now (True) or taken from the split file (False)."""
-    candidates = draw.pick(view)
+    candidates = {k: v for k, v in draw.pick(view).items() if k not in taken}
     fixed = fixed_rows(draw, rows)
     if fixed:
         for r in fixed:
+            if r.original in taken:
+                raise LayoutError(f"the split file puts {r.source}:{r.original} in {r.shift}/{r.label}, but an earlier "
+                                  "draw of the same source already has it: an image may be in one draw only (a fit "
+                                  "image never in the test set); remove one of its rows")
             if r.original not in candidates:
                 raise LayoutError(f"the split file lists {r.source}:{r.original} ({r.shift}/{r.label}) but the "
                                   "source has no such image: is it a different version? Check the manifest, or "

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from proton.bench.prepared import claim_folder
+from proton.bench.prepared import claim_folder, read_prepared
 import pytest
 from PIL import Image
 
@@ -29,6 +29,7 @@ import splits  # noqa: E402
 import ophthalmology  # noqa: E402
 import pathology  # noqa: E402
 import prepare_all  # noqa: E402
+import prompts  # noqa: E402
 import radiology  # noqa: E402
 
 BENCHMARKS = (ophthalmology.BENCHMARK, radiology.BENCHMARK, pathology.BENCHMARK)
@@ -168,6 +169,38 @@ def http_entry(url, data, **changes):
     return entry
 
 
+def ju_notebook(path, cell):
+    """A notebook shaped like Ju et al.'s: the prompts in the first code cell, a later cell that must not be read."""
+    code = lambda source, n: {"cell_type": "code", "execution_count": n, "metadata": {}, "outputs": [],  # noqa: E731
+                              "source": source.splitlines(keepends=True)}
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# OOD detection\n"]}, code(cell, 1),
+                    code("in_class = ['a later cell']\n", 2)],
+          "metadata": {"kernelspec": {"name": "python3"}}, "nbformat": 4, "nbformat_minor": 5}
+    Path(path).write_text(json.dumps(nb, indent=1))
+    return Path(path)
+
+
+# The shapes of Ju et al.'s first code cells, with made-up prompts. The imports and the call would fail if the cell ran.
+LIST_CELL = """import not_installed_anywhere
+data_dir = '../datasets/'
+in_class = ['a {first} image',
+            'a {second} image']
+in_dir = {dirs!r}
+model = load_the_model(data_dir)
+"""
+DICT_CELL = """import not_installed_anywhere
+# in_class = ['an older, commented-out list']
+in_class = {{{first!r}: ["first {first}", "second {first}"],
+    {second!r}: ["only {second}"]}}
+in_dir = ['x/', 'y/']
+raise SystemExit("this cell is read, never run")
+"""
+FUNDUS_L1 = LIST_CELL.format(first="healthy retina", second="diabetic retina", dirs=["N/", "D/"])
+FUNDUS_L5 = DICT_CELL.format(first="N/", second="D/")
+XRAY_L1 = LIST_CELL.format(first="clear lung", second="cloudy lung", dirs=["normal/", "pneumonia/"])
+XRAY_L10 = DICT_CELL.format(first="N", second="P")
+
+
 # ------------------------------------------------------------------------------------------ manifest and splits
 
 def test_manifest_is_complete_and_matches_the_scripts():
@@ -199,7 +232,7 @@ def test_manifest_rejects_a_malformed_checksum(tmp_path):
 
 
 def test_the_paper_counts():
-    n = {b.name: {(d.shift, d.labels): d.n for d in b.draws} for b in BENCHMARKS}
+    n = {b.name: {(d.shift, d.labels): d.n for d in b.draws if d.shift != "fit"} for b in BENCHMARKS}
     assert n["ophthalmology"][("id", ("normal",))] == n["ophthalmology"][("id", ("diabetic_retinopathy",))] == 150
     assert n["ophthalmology"][("covariate", ("uwf",))] == 150
     for name in ("radiology", "pathology"):
@@ -240,6 +273,111 @@ def test_rank_is_deterministic_seeded_and_prefix_consistent():
 def test_choose_refuses_too_few_candidates():
     with pytest.raises(archives.LayoutError, match="need 3 images but the source has only 2"):
         splits.choose({"a": "x", "b": "x"}, 3, 0, "scope")
+
+
+# ------------------------------------------------------------------------------------------ fit draws
+
+def letters_view(tmp_path):
+    """A source of five images labelled a and five labelled b: ``img/a_0.png`` ... ``img/b_4.png``."""
+    root = make_dir(tmp_path / "src", {f"img/{c}_{i}.png": image_bytes("PNG", i) for c in "ab" for i in range(5)})
+    return archives.View(archives.open_container(root), r"img/[ab]_\d+\.png")
+
+
+def letters_pick(label):
+    return lambda view: {k: label for k in view.keys if k.split("/")[1].startswith(f"{label}_")}
+
+
+def letters(*draws):
+    return common.Benchmark("letters", ("a", "b"), ("a", "b"), "{}", {"v": ((), None)}, draws)
+
+
+LETTERS = letters(*(splits.Draw("v", "id", (c,), 3, letters_pick(c)) for c in "ab"),
+                  *(splits.Draw("v", "fit", (c,), 2, letters_pick(c)) for c in "ab"))
+
+
+def test_fit_draws_are_disjoint_from_every_test_draw_of_their_view(tmp_path):
+    rows = common.prepare(LETTERS, {"v": letters_view(tmp_path)}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    names = {shift: {r["file"].rsplit("/", 1)[1] for r in rows if r["shift"] == shift} for shift in ("id", "fit")}
+    assert len(names["id"]) == 6 and len(names["fit"]) == 4
+    assert names["id"] | names["fit"] == {f"{c}_{i}.png" for c in "ab" for i in range(5)}, "fit takes what the test draws left"
+    assert {r.shift for r in splits.read_split(tmp_path / "s.csv")} == {"id", "fit"}, "fit rows go into the split file"
+    folder = read_prepared(tmp_path / "out")
+    assert folder.shift.count("fit") == 4
+    assert [int(x) for x in folder.labels] == ["ab".index(f.split("/")[1]) for f in folder.files], "fit images keep their class"
+
+
+def test_an_overlapping_split_file_is_refused(tmp_path):
+    view, split = letters_view(tmp_path), tmp_path / "s.csv"
+    common.prepare(LETTERS, {"v": view}, tmp_path / "out", split, progressbar=False)
+    rows = splits.read_split(split)
+    test_image = next(r.original for r in rows if r.shift == "id" and r.label == "a")
+    fit = next(r for r in rows if r.shift == "fit" and r.label == "a")
+    splits.write_split(split, [r for r in rows if r != fit] + [splits.Row("v", "fit", "a", test_image)])
+    with pytest.raises(archives.LayoutError, match=f"puts v:{test_image} in fit/a, but an earlier draw"):
+        common.prepare(LETTERS, {"v": view}, tmp_path / "again", split, progressbar=False)
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_benchmarks_fit_draws():
+    for bench in BENCHMARKS:
+        fit = tuple(d for d in bench.draws if d.shift == "fit")
+        assert fit and bench.draws[-len(fit):] == fit, "fit draws come last"
+        assert {(d.view, d.labels) for d in fit} == {(d.view, d.labels) for d in bench.draws if d.shift == "id"}
+    n = {b.name: {d.labels: d.n for d in b.draws if d.shift == "fit"} for b in BENCHMARKS}
+    assert n == {"ophthalmology": {("normal",): 50, ("diabetic_retinopathy",): 50},  # FIVES has 200 per class, 150 are tested
+                 "radiology": {("normal",): 150, ("pneumonia",): 150}, "pathology": {("benign",): 150, ("malignant",): 150}}
+    with pytest.raises(ValueError, match="follows a fit draw; fit draws come last"):
+        letters(*reversed(LETTERS.draws)).check()
+    with pytest.raises(ValueError, match=r"fit draw labels \('c',\) are not classes"):
+        letters(splits.Draw("v", "fit", ("c",), 1, letters_pick("c"))).check()
+
+
+# ------------------------------------------------------------------------------------------ Ju et al.'s prompts
+
+FUNDUS_KEYS = ophthalmology.BENCHMARK.prompt_classes
+
+
+def test_prompts_are_read_from_the_notebook_never_run(tmp_path):
+    assert prompts.read_prompts(ju_notebook(tmp_path / "l1.ipynb", FUNDUS_L1), FUNDUS_KEYS) == {
+        "normal": ["a healthy retina image"], "diabetic_retinopathy": ["a diabetic retina image"]}
+    assert prompts.read_prompts(ju_notebook(tmp_path / "l5.ipynb", FUNDUS_L5), FUNDUS_KEYS) == {
+        "normal": ["first N/", "second N/"], "diabetic_retinopathy": ["only D/"]}
+    swapped = LIST_CELL.format(first="diabetic retina", second="healthy retina", dirs=["D/", "N/"])
+    assert prompts.read_prompts(ju_notebook(tmp_path / "sw.ipynb", swapped), FUNDUS_KEYS) == {
+        "normal": ["a healthy retina image"], "diabetic_retinopathy": ["a diabetic retina image"]}, "a list follows in_dir"
+    assert prompts.read_prompts(ju_notebook(tmp_path / "x.ipynb", XRAY_L10), radiology.BENCHMARK.prompt_classes) == {
+        "normal": ["first N", "second N"], "pneumonia": ["only P"]}
+
+
+@pytest.mark.parametrize("cell, message", [
+    (DICT_CELL.format(first="N/", second="G/"), "unknown class key 'G/'"),
+    ("p = ['a', 'b']\nin_class = [x.upper() for x in p]\nin_dir = ['N/', 'D/']\n",
+     r"in_class is not a literal \(\[x.upper\(\) for x in p\]\); it is read, never run"),
+    ("in_class = open('prompts.txt').read()\n", r"in_class is not a literal \(open\('prompts.txt'\).read\(\)\)"),
+    ("in_dir = ['N/', 'D/']\n", "assigns no in_class"),
+    ("in_class = ['x']\nin_dir = ['N/', 'D/']\n", "in_class lists 1 prompts but in_dir is"),
+    ("in_class = {'N/': ['x']}\n", r"no prompts for the classes \['diabetic_retinopathy'\]"),
+    ("in_class = {'N/': ['x'], 'D/': ['']}\n", "must be a non-empty list of non-empty strings"),
+    ("in_class = ['x',\n", "the first code cell is not Python"),
+])
+def test_a_bad_prompt_notebook_is_refused(tmp_path, cell, message):
+    with pytest.raises(ValueError, match=message):
+        prompts.read_prompts(ju_notebook(tmp_path / "nb.ipynb", cell), FUNDUS_KEYS)
+
+
+def test_a_tampered_prompt_file_is_refused_by_its_checksum(tmp_path):
+    entry = fetching.load_manifest()["sources"]["ju_prompts_ophthalmology_l5"]
+    assert entry["sha256"] and entry["url"].startswith("https://raw.githubusercontent.com/PyJulie/Medical-VLMs-OOD-Detection/"
+                                                        "a7ed4c98faba387f72f806f66b96f17d91feb9e9/")
+    forged = ju_notebook(tmp_path / "forged.ipynb", FUNDUS_L5).read_bytes()
+    forged = (forged * (entry["size_bytes"] // len(forged) + 1))[:entry["size_bytes"]]  # the right size, other bytes
+    with FileServer({"/nb.ipynb": forged}) as server:
+        with pytest.raises(fetching.ChecksumError, match="failed its checksum and was deleted"):
+            fetching.download(dict(entry, url=server.url + "/nb.ipynb"), tmp_path / "raw", progressbar=False)
+    assert not (tmp_path / "raw" / entry["filename"]).exists()
+    (tmp_path / entry["filename"]).write_bytes(forged)
+    with pytest.raises(fetching.ChecksumError, match="sha256 is"):
+        fetching.fetch("ju_prompts_ophthalmology_l5", entry, tmp_path / "raw", local=tmp_path / entry["filename"])
 
 
 # ------------------------------------------------------------------------------------------ downloads
@@ -338,6 +476,11 @@ def test_dry_run_touches_no_network_and_writes_nothing(script, tmp_path, monkeyp
             assert entry["approx_size"] in printed
     if "radiology" in names:
         assert "kaggle competitions download -c rsna-pneumonia-detection-challenge" in printed
+        assert "L10  from ju_prompts_radiology_l10" in printed
+    if "pathology" in names:
+        assert "Prompt sets: none. Ju et al.'s pathology prompts describe LC25000 lung tissue" in printed
+    assert "fit/normal/" in printed or "fit/benign/" in printed
+    assert "among the images no test draw took, then added to the split file" in printed
 
 
 def test_dry_run_reports_a_partial_download(tmp_path, capsys):
@@ -386,12 +529,17 @@ def ophthalmology_sources(tmp_path_factory):
     far = sorted({r.original for r in shipped("ophthalmology") if r.shift == "far"})
     extra = ["val/n03888257/n03888257_999999.JPEG", "val/n01440764/ILSVRC2012_val_0.JPEG"]
     blobs = {"/deepdrid.zip": deepdrid_zip(tmp / "d.zip").read_bytes(),
-             "/imagenette.tgz": imagenette_tgz(tmp / "i.tgz", far + extra).read_bytes()}
+             "/imagenette.tgz": imagenette_tgz(tmp / "i.tgz", far + extra).read_bytes(),
+             "/l1.ipynb": ju_notebook(tmp / "l1.ipynb", FUNDUS_L1).read_bytes(),
+             "/l5.ipynb": ju_notebook(tmp / "l5.ipynb", FUNDUS_L5).read_bytes()}
     fives = make_dir(tmp / "fives", fives_files())
     with FileServer(blobs) as server:
         manifest = json.loads(fetching.MANIFEST.read_text())
         for key, path in (("deepdrid", "/deepdrid.zip"), ("imagenette", "/imagenette.tgz")):
             manifest["sources"][key].update(url=server.url + path, md5=md5(blobs[path]), size_bytes=len(blobs[path]))
+        for key, path in (("ju_prompts_ophthalmology_l1", "/l1.ipynb"), ("ju_prompts_ophthalmology_l5", "/l5.ipynb")):
+            manifest["sources"][key].update(url=server.url + path, sha256=hashlib.sha256(blobs[path]).hexdigest(),
+                                            size_bytes=len(blobs[path]))
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         yield SimpleNamespace(server=server, manifest=tmp / "manifest.json", fives=fives)
 
@@ -421,7 +569,7 @@ def test_ophthalmology_end_to_end(served_ophthalmology):
         assert (out / r["file"]).is_file() and r["file"].startswith(f"{r['shift']}/{r['label']}/")
     assert {k: v for k, v in counts.items() if k[0] != "far"} == {
         ("id", "normal"): 150, ("id", "diabetic_retinopathy"): 150, ("semantic", "glaucoma"): 150,
-        ("semantic", "amd"): 150, ("covariate", "uwf"): 150}
+        ("semantic", "amd"): 150, ("covariate", "uwf"): 150, ("fit", "normal"): 50, ("fit", "diabetic_retinopathy"): 50}
     assert sum(v for k, v in counts.items() if k[0] == "far") == 150
     assert all(f.name.endswith("_N.png") for f in (out / "id" / "normal").iterdir())
     assert all(f.name.startswith(("train_", "test_")) for f in (out / "semantic" / "amd").iterdir())
@@ -433,12 +581,23 @@ def test_ophthalmology_end_to_end(served_ophthalmology):
     assert classes["counts"]["id"] == {"normal": 150, "diabetic_retinopathy": 150}
     # the FIVES draws were sampled now and added to the split file; the shipped rows are untouched
     split = splits.read_split(s.split)
-    assert set(shipped("ophthalmology")) < set(split) and len(split) == 900
+    assert set(shipped("ophthalmology")) < set(split) and len(split) == 1000
+    # fit/ holds the 50 images of each ID class that id/ does not, labelled with their class
+    folder = read_prepared(out)
+    for c in ("normal", "diabetic_retinopathy"):
+        fit, test = ({f.name for f in (out / shift / c).iterdir()} for shift in ("fit", "id"))
+        assert len(fit) == 50 and not fit & test and len(fit | test) == 200
+    assert {int(x) for x, sh in zip(folder.labels, folder.shift) if sh == "fit"} == {0, 1}
+    assert all(folder.classes[x] == f.split("/")[1] for f, x, sh in zip(folder.files, folder.labels, folder.shift) if sh == "fit")
+    # the prompt sets, read from the (served, checksummed) notebooks
+    assert folder.prompt_sets == {"L1": {"normal": ["a healthy retina image"], "diabetic_retinopathy": ["a diabetic retina image"]},
+                                  "L5": {"normal": ["first N/", "second N/"], "diabetic_retinopathy": ["only D/"]}}
+    assert classes["prompt_set_sources"] == {"L1": "ju_prompts_ophthalmology_l1", "L5": "ju_prompts_ophthalmology_l5"}
     # a second run reuses the split file, so it writes exactly the same files
     common.run(ophthalmology.BENCHMARK, ["--out", str(out)] + s.base)
     assert read_csv(out / "split.csv") == rows and splits.read_split(s.split) == split
     # and the downloads were fetched once, with their checksums verified
-    assert sorted(p for p, _ in s.server.requests) == ["/deepdrid.zip", "/imagenette.tgz"]
+    assert sorted(p for p, _ in s.server.requests) == ["/deepdrid.zip", "/imagenette.tgz", "/l1.ipynb", "/l5.ipynb"]
 
 
 def test_limit_takes_a_subset_of_the_full_draw_and_leaves_the_split_alone(served_ophthalmology):
@@ -446,7 +605,7 @@ def test_limit_takes_a_subset_of_the_full_draw_and_leaves_the_split_alone(served
     before = s.split.read_text()
     small = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "small"), "--limit", "3"] + s.base)
     larger = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "larger"), "--limit", "7"] + s.base)
-    assert len(small) == 6 * 3 and len(larger) == 6 * 7 and s.split.read_text() == before
+    assert len(small) == 8 * 3 and len(larger) == 8 * 7 and s.split.read_text() == before
     assert {r["file"] for r in small} < {r["file"] for r in larger}
     shipped_uwf = {ophthalmology.uwf_name(r.original) for r in shipped("ophthalmology") if r.shift == "covariate"}
     assert {r["file"].rsplit("/", 1)[1] for r in larger if r["shift"] == "covariate"} < shipped_uwf
@@ -524,7 +683,9 @@ def test_radiology_end_to_end(tmp_path):
     far = sorted({r.original for r in shipped("radiology") if r.shift == "far"})
     argv = ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--limit", "2", "--no-progress",
             "--local", f"rsna={rsna}", "--local", f"chest_ct={ct_zip(tmp_path / 'ct.zip')}",
-            "--local", f"imagenette={imagenette_tgz(tmp_path / 'i.tgz', far)}", "--split", str(tmp_path / "s.csv")]
+            "--local", f"imagenette={imagenette_tgz(tmp_path / 'i.tgz', far)}", "--split", str(tmp_path / "s.csv"),
+            "--local", f"ju_prompts_radiology_l1={ju_notebook(tmp_path / 'l1.ipynb', XRAY_L1)}",
+            "--local", f"ju_prompts_radiology_l10={ju_notebook(tmp_path / 'l10.ipynb', XRAY_L10)}"]
     rows = common.run(radiology.BENCHMARK, argv)
     got = {(r["shift"], r["label"]) for r in rows}
     assert got >= {("id", "normal"), ("id", "pneumonia"), ("semantic", "no_lung_opacity_not_normal"),
@@ -537,6 +698,11 @@ def test_radiology_end_to_end(tmp_path):
             assert np.array_equal(np.asarray(Image.open(out / r["file"])), pixels[patient]), "DICOM pixels survive"
     assert not (tmp_path / "s.csv").exists(), "--limit never writes the split file"
     assert json.loads((out / "classes.json").read_text())["ood_to_id"] == {"normal_ct": "normal", "pneumonia_ct": "pneumonia"}
+    folder = read_prepared(out)
+    assert folder.prompt_sets == {"L1": {"normal": ["a clear lung image"], "pneumonia": ["a cloudy lung image"]},
+                                  "L10": {"normal": ["first N", "second N"], "pneumonia": ["only P"]}}
+    assert sorted({f for f in folder.files if f.startswith("fit/")}) == sorted(
+        r["file"] for r in rows if r["shift"] == "fit") and len({r["label"] for r in rows if r["shift"] == "fit"}) == 2
 
 
 def test_dicom_conversion_inverts_monochrome1_and_scales_16_bit():
@@ -609,8 +775,9 @@ def test_pathology_end_to_end(tmp_path):
     for r in rows:
         labels.setdefault(r["shift"], set()).add(r["label"])
     assert labels["id"] == {"benign", "malignant"} and labels["covariate"] == {"norm", "tum"}
-    assert labels["semantic"] == {"adi", "deb", "muc", "mus", "str"}
+    assert labels["semantic"] == {"adi", "deb", "muc", "mus", "str"} and labels["fit"] == {"benign", "malignant"}
     out = tmp_path / "out"
+    assert read_prepared(out).prompt_sets is None and not (out / "prompt_sets.json").exists()
     for r in rows:
         if r["source"] == "pcam":
             index = int(Path(r["file"]).stem.rsplit("_", 1)[1])

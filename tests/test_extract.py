@@ -400,3 +400,22 @@ def test_dispatched_by_proton_ood(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: proton-ood extract") and all(o in out for o in ("--prompts", "--checkpoint", "--tokenizer",
                                                                                    "--device", "--batch-size", "--workers", "--keep-shards"))
+
+
+def test_fit_images_become_the_fit_split_and_prompt_sets_are_read_from_the_folder(clip, tmp_path):
+    "fit/<class>/ images go to the cache's fit split, not to its test rows; prompt_sets.json becomes prompt sets, TAG's added."
+    from proton.bench.prepared import write_prompt_sets
+    root = make_prepared(tmp_path / "toy")
+    rows = (root / "split.csv").read_text().splitlines()
+    for name, image in (("fit/normal/text.png", skdata.text), ("fit/diabetic_retinopathy/horse.png", skdata.horse)):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((np.asarray(image()) * (255 if np.asarray(image()).dtype == bool else 1)).astype(np.uint8)).save(path)
+        rows.append(f"{name},fit,{name.split('/')[1]},skimage")
+    (root / "split.csv").write_text("\n".join(rows) + "\n")
+    write_prompt_sets(root, {"L1": {"normal": ["a normal fundus"], "diabetic_retinopathy": ["a fundus with lesions"]}})
+    cache = extract(clip, root, **RUN)
+    assert len(cache) == N and "fit" not in set(cache.shift)
+    assert cache.fit_labels.tolist() == [1, 0]  # sorted paths: fit/diabetic_retinopathy/... first
+    assert np.abs(cache.fit_embeddings[1] - clip.encode_images([Image.open(root / "fit/normal/text.png")]).numpy()[0]).max() < 1e-5
+    assert cache.prompt_set_names == ("L1", "tag") and cache.prompts[:2] == ("a normal fundus", "a fundus with lesions")

@@ -1,0 +1,107 @@
+"""`proton-ood reproduce` end to end, offline: tiny prepared folders of generated images, random-weight models, the whole report."""
+import json
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+from skimage import data as skdata
+
+from proton.bench.prepared import write_classes_file, write_prompt_sets, write_split_table
+
+MODEL = "open_clip:ViT-S-32/none"  # the smallest open_clip ViT, random weights (seed 0)
+SOURCES = {"id": (skdata.retina, skdata.astronaut), "semantic": (skdata.coffee,), "covariate": (skdata.chelsea,), "far": (skdata.rocket,)}
+COUNTS = {"id": 6, "semantic": 8, "covariate": 8, "far": 8, "fit": 3}  # per class for id and fit, per shift otherwise
+
+
+def variant(image, k:int, side:int=48):
+    "The k-th small variant of a bundled image: a crop, a flip and a brightness change, so no two images are alike."
+    a = np.asarray(image())
+    a = a if a.ndim == 3 else np.stack([a] * 3, -1)
+    h, w = a.shape[:2]
+    y, x = (k * 17) % (h // 4), (k * 29) % (w // 4)
+    crop = a[y:y + 3 * h // 4, x:x + 3 * w // 4, :3]
+    crop = crop[:, ::-1] if k % 2 else crop
+    im = Image.fromarray(np.clip(crop.astype(int) + 6 * k - 20, 0, 255).astype(np.uint8))
+    im.thumbnail((side, side))
+    return im
+
+
+def make_domain(root, classes=("a", "b"), prompt_sets=True):
+    "A prepared folder: two ID classes, three OOD shifts, a fit split, classes.json, split.csv and (optionally) prompt sets."
+    rows, k = [], 0
+    for shift, n in COUNTS.items():
+        labels = classes if shift in ("id", "fit") else (f"{shift}_set",)
+        for c, label in enumerate(labels):
+            source = SOURCES["id"][c] if shift in ("id", "fit") else SOURCES[shift][0]
+            for i in range(n):
+                rel = f"{shift}/{label}/img_{k:03d}.png"; k += 1
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                variant(source, k).save(root / rel)
+                rows.append(dict(file=rel, shift=shift, label=label, source="skimage"))
+    write_split_table(root, rows)
+    write_classes_file(root, classes, [f"class {c}" for c in classes], {c: [f"class {c}"] for c in classes}, benchmark=root.name)
+    if prompt_sets:
+        write_prompt_sets(root, {"L1": {c: [f"a photo of class {c}"] for c in classes},
+                                 "L5": {c: [f"class {c}, view {j}" for j in range(5)] for c in classes}})
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repro")
+    for domain in ("ophthalmology", "radiology"):  # pathology left out: the report must say so
+        make_domain(root / "data" / domain, prompt_sets=domain == "ophthalmology")
+    from proton.cli import main
+    start = time.perf_counter()
+    code = main(["reproduce", "--data", str(root / "data"), "--out", str(root / "report"), "--model", MODEL,
+                 "--permutations", "1", "--no-progress", "--device", "cpu"])
+    return root, code, time.perf_counter() - start
+
+
+def test_reproduce_runs_end_to_end_in_under_a_minute(report):
+    root, code, seconds = report
+    assert code == 0
+    assert seconds < 60, f"took {seconds:.0f} s"
+    out = root / "report"
+    assert (out / "report.md").is_file() and (out / "figures" / "figure3a.png").is_file() and (out / "figures" / "figure3b.png").is_file()
+    for name in ("table1", "table2a", "table2b", "table3a", "table3b", "table3c", "table4a", "table4b"):
+        assert (out / "tables" / f"{name}.csv").is_file(), name
+
+
+def test_tables_put_ours_beside_the_papers(report):
+    out = report[0] / "report"
+    t1 = pd.read_csv(out / "tables" / "table1.csv", header=[0, 1], index_col=0)
+    assert ("covariate AUROC", "reported by the paper") in t1.columns and ("covariate AUROC", "ours") in t1.columns
+    assert t1.loc["PROTON", ("covariate AUROC", "reported by the paper")] == 66.3
+    assert t1.loc[["MCM", "MCM (L=1)", "MCM (L=5)", "PROTON"], ("covariate AUROC", "ours")].notna().all()  # prompt sets came through
+    t2b = pd.read_csv(out / "tables" / "table2b.csv", header=[0, 1], index_col=0)
+    assert list(t2b[("MCM", "ours")].dropna().index) == ["Ophth. (FLAIR)", "Radio. (UniMedCLIP)"]
+
+
+def test_metadata_records_models_hashes_protocol_and_what_is_missing(report):
+    out = report[0] / "report"
+    md = json.loads((out / "metadata.json").read_text())
+    assert set(md["domains"]) == {"ophthalmology", "radiology"}
+    oph = md["domains"]["ophthalmology"]
+    assert oph["model"] == MODEL and oph["fit_images"] == 6 and oph["prompt_sets"] == ["L1", "L5", "tag"]
+    assert len(oph["cache_sha256"]) == 64 and len(oph["data"]["split.csv"]) == 64
+    assert md["protocol"]["rho"] == 0.7 and md["protocol"]["fpr95_convention"] == "ju2025" and md["protocol"]["n_permutations"] == 1
+    assert md["versions"]["torch"] and "domain pathology" in md["not_made"]
+    assert "pathology" in (out / "report.md").read_text()
+
+
+def test_a_second_run_reuses_the_caches(report, tmp_path):
+    root = report[0]
+    from proton.models.reproduce import domain_cache
+    path, cache = domain_cache("radiology", root / "data" / "radiology", root / "report" / "caches", MODEL)
+    assert path.name == "radiology_open_clip-ViT-S-32-none.npz" and len(cache) == 2 * 6 + 3 * 8
+
+
+def test_no_prepared_folder_is_one_line_error(tmp_path, capsys):
+    from proton.cli import main
+    assert main(["reproduce", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("proton-ood reproduce: error: no prepared folder in") and "\n" not in err

@@ -419,3 +419,20 @@ def test_fit_images_become_the_fit_split_and_prompt_sets_are_read_from_the_folde
     assert cache.fit_labels.tolist() == [1, 0]  # sorted paths: fit/diabetic_retinopathy/... first
     assert np.abs(cache.fit_embeddings[1] - clip.encode_images([Image.open(root / "fit/normal/text.png")]).numpy()[0]).max() < 1e-5
     assert cache.prompt_set_names == ("L1", "tag") and cache.prompts[:2] == ("a normal fundus", "a fundus with lesions")
+
+
+def test_torchrun_with_two_gloo_processes_gives_the_single_process_cache(data, tmp_path):
+    "Two ranks share the shards (torch.distributed, gloo, on the CPU); the merged cache is the single-process one, bit for bit."
+    env = dict(os.environ, SOURCE_DATE_EPOCH=EPOCH, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    common = ["extract", "--model", MODEL, "--data", str(data), "--batch-size", "2", "--shard-size", "2", "--workers", "0",
+              "--device", "cpu", "--no-progress"]
+    command = Path(sys.executable).with_name("proton-ood")  # the console script, which torchrun runs as a Python file
+    single = subprocess.run([sys.executable, str(command), *common, "--out", str(tmp_path / "one.npz")], env=env, capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(command), *common, "--out", str(tmp_path / "two.npz")],
+                         env=env, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("wrote ") == 1  # rank 0 reports for both
+    a, b = EmbeddingCache.load(tmp_path / "one.npz"), EmbeddingCache.load(tmp_path / "two.npz")
+    assert a.content_hash() == b.content_hash() and not (tmp_path / "two.npz.shards").exists()

@@ -252,6 +252,17 @@ def _shards_to_compute(shards:Path, ranges:list, header):
     return todo
 
 # %% ../../nbs/43_extract.ipynb
+def _distributed():
+    "(rank, world size, the process group's barrier and broadcast) under torch.distributed, or a single process's stand-ins."
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()): return 0, 1, lambda: None, lambda x: x
+    def broadcast(x):
+        box = [x]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast
+
+# %% ../../nbs/43_extract.ipynb
 def _created():
     "Creation time in ISO 8601 (UTC): now, or $SOURCE_DATE_EPOCH when set."
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
@@ -310,14 +321,19 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None else None
     shards = Path(scratch.name) if scratch else Path(f"{out}.shards")
     try:
-        if not resume: shutil.rmtree(shards, ignore_errors=True)
-        shards.mkdir(parents=True, exist_ok=True)
-        todo = _shards_to_compute(shards, ranges, header)
+        rank, world, barrier, broadcast = _distributed()
+        if rank == 0:
+            if not resume: shutil.rmtree(shards, ignore_errors=True)
+            shards.mkdir(parents=True, exist_ok=True)
+        todo = broadcast(_shards_to_compute(shards, ranges, header) if rank == 0 else None)
+        mine = todo[rank::world]  # this process's share of the shards
         with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
-                  desc=f"extract {vlm.name}", disable=not progress) as bar:
-            if todo: _embed_shards(vlm, folder, ranges, todo, shards, header, batch_size,
+                  desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
+            if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
                                    default_workers() if num_workers is None else num_workers, local, strict, amp, bar)
+        barrier()  # every shard is written
         parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
+        barrier()  # every rank has read them
     finally:
         if scratch: scratch.cleanup()
     if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
@@ -337,7 +353,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
                            **(dict(fit_embeddings=E[keep_fit], fit_labels=folder.labels[keep_fit]) if keep_fit.any() else {}))
     if skipped: warnings.warn(f"{len(skipped)} of {len(folder)} images could not be read and were left out of the cache; "
                               f"its metadata lists them under skipped_files (first: {skipped[0]['file']}: {skipped[0]['error']})", stacklevel=2)
-    if out is not None:
+    if out is not None and rank == 0:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         cache.save(out)
         if not keep_shards: shutil.rmtree(shards)
@@ -375,6 +391,14 @@ def parse_prompts(text:str|None): # the --prompts argument
     return [p.strip() for p in text.split(",")]
 
 # %% ../../nbs/43_extract.ipynb
+def _join_torchrun(device:str): # the device asked for
+    "Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on CPUs); the device this rank uses."
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized(): return device
+    cuda = torch.device(device).type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else device
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -387,6 +411,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
             extra["tokenizer"] = args.tokenizer
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"--device {device}, but CUDA is not available here")
+        device = _join_torchrun(device)
         vlm = load_vlm(args.model, args.checkpoint, device=device, **extra)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the summary line below says it
@@ -400,6 +425,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
     except (ValueError, OSError, ImportError) as e:
         print(f"proton-ood extract: error: {e}", file=sys.stderr)
         return 1
+    if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
     print(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:
         print(f"  skipped {len(cache.metadata['skipped_files'])} unreadable images, listed in the cache's metadata (skipped_files)")

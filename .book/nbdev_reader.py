@@ -3,7 +3,10 @@
 jupyter-book knows nothing of nbdev's directives, so on its own it would show every `#| export` line, display
 hidden cells and execute `eval: false` cells. `_config.yml` registers `read_nbdev` as the reader of `.ipynb`
 files; it maps each directive to the tag MyST-NB and nbclient understand, then removes the directive lines.
+A cell that only checks (it ends in an `assert` or a `test_*` call and prints or draws nothing) is folded
+into a collapsed "Tests" toggle, so that a page reads as a course; the tests still run when the book is built.
 """
+import ast
 import re
 
 import nbformat
@@ -22,6 +25,25 @@ def cell_tags(directives):
     return tags
 
 
+def _call_name(node):
+    "The name a call calls: `f` for f(...), `plt.show` for plt.show(...), else ''."
+    f = node.func
+    if isinstance(f, ast.Name): return f.id
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name): return f"{f.value.id}.{f.attr}"
+    return ""
+
+
+def is_test_cell(source):
+    "Whether a code cell only checks: its last statement is an assert or a test_* call, and it prints, shows or draws nothing."
+    try: body = ast.parse(source).body
+    except SyntaxError: return False  # IPython magics: not a plain test cell
+    checks = lambda s: isinstance(s, ast.Assert) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                                                      and _call_name(s.value).startswith("test_"))
+    if not body or not checks(body[-1]): return False
+    shows = lambda n: isinstance(n, ast.Call) and (_call_name(n) in ("print", "display", "glue") or _call_name(n).startswith(("plt.", "sns.")))
+    return not any(shows(n) for n in ast.walk(ast.Module(body=body, type_ignores=[])))
+
+
 def strip_directives(cell):
     "Remove the `#|` lines heading a code cell, adding the tags they stand for."
     lines = cell.source.splitlines()
@@ -31,6 +53,9 @@ def strip_directives(cell):
         lines.pop(0)
     cell.source = "\n".join(lines)
     tags = cell_tags(directives) | ({"remove-cell"} if not cell.source.strip() else set())
+    if "export" not in directives and not tags & {"remove-cell", "remove-input"} and is_test_cell(cell.source):
+        tags.add("hide-cell")
+        cell.metadata["mystnb"] = {"code_prompt_show": "Tests", "code_prompt_hide": "Hide the tests"}
     if tags: cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) | tags)
 
 

@@ -35,3 +35,25 @@ def test_repository_notebooks_have_no_directive_left():
     for path in (Path(__file__).parents[1] / "nbs").glob("*.ipynb"):
         for cell in read_nbdev(path.read_text()).cells:
             assert not any(line.lstrip().startswith("#|") for line in cell.source.splitlines()), path.name
+
+
+@pytest.mark.parametrize("source, folded", [
+    ("x = f(2)\ntest_eq(x, 4)", True),
+    ("assert g() > 0", True),
+    ("test_fail(lambda: f(-1), contains='negative')\nassert True", True),
+    ("x = f(2)\ntest_eq(x, 4)\nx", False),  # shows a value
+    ("test_eq(f(2), 4)\nprint(f(2))", False),  # prints
+    ("fig, ax = plt.subplots()\nassert ax", False),  # draws
+    ("#| export\ndef f(x): assert x", False),  # library code
+    ("#| hide\nassert x", False),  # removed anyway
+    ("%timeit f(2)\nassert True", False),  # a magic
+])
+def test_cells_that_only_check_fold_into_a_tests_toggle(source, folded):
+    cell = read_nbdev(notebook(source)).cells[0]
+    assert ("hide-cell" in cell.metadata.get("tags", [])) == folded
+    if folded: assert cell.metadata["mystnb"]["code_prompt_show"] == "Tests"
+
+
+def test_most_test_cells_of_a_chapter_fold():
+    cells = read_nbdev((Path(__file__).parents[1] / "nbs" / "11_bank.ipynb").read_text()).cells
+    assert sum("hide-cell" in c.metadata.get("tags", []) for c in cells) >= 3

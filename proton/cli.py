@@ -12,7 +12,9 @@ import sys
 # %% ../nbs/46_cli.ipynb
 COMMANDS = {"evaluate": "run the experiments on embedding caches (or on the synthetic world) and write tidy CSV files",
             "extract": "encode a prepared image folder with a VLM into an embedding cache",
-            "info": "check an embedding cache and print a summary"}
+            "info": "check an embedding cache and print a summary",
+            "score": "score your own images (a folder, a file list or a cache) as one resumable stream, one row per image",
+            "reproduce": "from prepared image folders to every table and figure of the paper, in a report folder"}
 
 def info_main(argv:list|None=None): # command-line arguments after `info`
     "`proton-ood info CACHE [CACHE ...]`: validate each cache and print its summary."
@@ -45,6 +47,8 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     command, rest = argv[0], argv[1:]  # the rest, `-h` included, belongs to the command
     if command == "evaluate": from proton.bench.evaluation import evaluate_main as run
     elif command == "extract": from proton.models.extract import extract_main as run
+    elif command == "score": from proton.models.score import score_main as run
+    elif command == "reproduce": from proton.models.reproduce import reproduce_main as run
     else: run = info_main
     try: return run(rest) or 0
     except KeyboardInterrupt:

@@ -1,0 +1,80 @@
+"""`read_image` on DICOM files written by pydicom: modality rescale, window, MONOCHROME1, bit depths, and clear errors."""
+import sys
+
+import numpy as np
+import pytest
+
+pydicom = pytest.importorskip("pydicom")
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+from proton.models.vlm import as_rgb_image, read_image
+
+
+def write_dicom(path, pixels, photometric="MONOCHROME2", **tags):
+    "Write `pixels` ((H, W) uint8/uint16 grey, (H, W, 3) uint8 RGB or (F, H, W) frames) as a minimal DICOM file with `tags`."
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = "1.2.840.10008.5.1.4.1.1.7", generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset(); ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    colour = pixels.ndim == 3 and pixels.shape[2] == 3 and photometric == "RGB"
+    bits = pixels.dtype.itemsize * 8
+    if pixels.ndim == 3 and not colour: ds.NumberOfFrames = pixels.shape[0]
+    ds.Rows, ds.Columns = pixels.shape[-3:-1] if colour else pixels.shape[-2:]
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = (3 if colour else 1), photometric
+    if colour: ds.PlanarConfiguration = 0
+    ds.BitsAllocated = ds.BitsStored = bits; ds.HighBit, ds.PixelRepresentation = bits - 1, 0
+    for k, v in tags.items(): setattr(ds, k, v)
+    ds.PixelData = pixels.tobytes()
+    ds.save_as(path, enforce_file_format=True)
+    return path
+
+
+RAMP16 = np.linspace(0, 65535, 16 * 256).reshape(16, 256).astype(np.uint16)
+
+
+def test_16_bit_is_stretched_to_every_8_bit_level(tmp_path):
+    a = read_image(write_dicom(tmp_path / "r.dcm", RAMP16))
+    assert a.dtype == np.uint8 and (a.min(), a.max()) == (0, 255) and len(np.unique(a)) == 256
+    assert (np.diff(a.ravel().astype(int)) >= 0).all()  # the gradation keeps its order
+    b = read_image(write_dicom(tmp_path / "r12.dcm", (RAMP16 >> 4)))  # 12 bits stored in 16
+    assert (b.min(), b.max()) == (0, 255)
+
+
+def test_monochrome1_is_inverted(tmp_path):
+    m2 = read_image(write_dicom(tmp_path / "m2.dcm", RAMP16))
+    m1 = read_image(write_dicom(tmp_path / "m1.dcm", RAMP16, "MONOCHROME1"))
+    np.testing.assert_array_equal(m1, 255 - m2)
+    w1 = read_image(write_dicom(tmp_path / "w1.dcm", RAMP16, "MONOCHROME1", WindowCenter=30000, WindowWidth=2000))
+    w2 = read_image(write_dicom(tmp_path / "w2.dcm", RAMP16, WindowCenter=30000, WindowWidth=2000))
+    np.testing.assert_array_equal(w1, 255 - w2)  # after the window
+
+
+def test_the_window_applies_to_rescaled_values(tmp_path):
+    stored = np.arange(0, 4096, 4, dtype=np.uint16).reshape(32, 32)
+    hu = stored * 2.0 - 1024  # slope 2, intercept -1024
+    a = read_image(write_dicom(tmp_path / "ct.dcm", stored, RescaleSlope=2, RescaleIntercept=-1024, WindowCenter=40, WindowWidth=400))
+    assert (a[hu <= 40 - 200] == 0).all() and (a[hu > 40 + 199] == 255).all()
+    inside = (hu > -150) & (hu < 230)
+    np.testing.assert_allclose(a[inside], ((hu[inside] - 39.5) / 399 + .5) * 255, atol=0.5)
+    multi = read_image(write_dicom(tmp_path / "ct2.dcm", stored, RescaleSlope=2, RescaleIntercept=-1024,
+                                   WindowCenter=[40, 400], WindowWidth=[400, 2000]))
+    np.testing.assert_array_equal(multi, a)  # several windows: the first is the default
+
+
+def test_8_bit_grey_and_rgb_go_to_the_models_as_rgb(tmp_path):
+    grey = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g.dcm", grey)), grey)  # already full range: unchanged
+    rgb = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "c.dcm", rgb, "RGB")), rgb)
+    assert as_rgb_image(read_image(tmp_path / "g.dcm")).size == (16, 16)
+
+
+def test_errors_name_the_problem(tmp_path, monkeypatch):
+    frames = write_dicom(tmp_path / "frames.dcm", np.zeros((3, 8, 8), dtype=np.uint16))
+    with pytest.raises(ValueError, match="frames"): read_image(frames)
+    (tmp_path / "bad.dcm").write_bytes(b"not a DICOM file")
+    with pytest.raises(ValueError, match="cannot read DICOM file"): read_image(tmp_path / "bad.dcm")
+    monkeypatch.setitem(sys.modules, "pydicom", None)
+    with pytest.raises(ImportError, match=r'pip install "proton-ood\[data\]"'): read_image(frames)

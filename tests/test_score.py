@@ -1,0 +1,137 @@
+"""`proton-ood score`: incremental runs, a killed run resumed, the bank audit against the detector, and one-line errors."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import proton.models.score as score_module
+from proton.bench import EmbeddingCache, SyntheticWorld
+from proton.deploy import Monitor, save_state
+from proton.detector import ProtonConfig
+from proton.models.score import Results, score_stream, write_audit
+
+CONFIG = ProtonConfig(bank_size=20)
+N = 700  # 400 ID images and 100 of each of the three shifts
+
+
+def cache_file(path, n=None):
+    "A simulated cache of N images (or its first `n`), saved at `path`."
+    cache = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=400, n_per_shift=100)
+    if n is not None: cache = cache.subset(np.arange(n))
+    cache.save(path)
+    return path
+
+
+def run(source, out, **kw):
+    return score_stream(source, out, config=CONFIG, warmup=50, chunk_size=64, progress=False, **kw)
+
+
+@pytest.mark.parametrize("half", [256, 300])
+def test_two_runs_give_the_rows_of_one(tmp_path, half):
+    once = run(cache_file(tmp_path / "c.npz"), tmp_path / "once.csv")
+    assert once == (N, N)
+    run(cache_file(tmp_path / "c.npz", half), tmp_path / "two.csv")  # today's images
+    assert run(cache_file(tmp_path / "c.npz"), tmp_path / "two.csv") == (N - half, N)  # tomorrow's: only the new ones
+    a, b = [Path(tmp_path / f).read_text().splitlines() for f in ("once.csv", "two.csv")]
+    if half % 64 == 0: assert a == b  # the same chunks: byte for byte
+    else:
+        import pandas as pd
+        x, y = pd.read_csv(tmp_path / "once.csv"), pd.read_csv(tmp_path / "two.csv")
+        num = ["score", "confidence", "alpha", "base", "proto"]
+        pd.testing.assert_frame_equal(x.drop(columns=num + ["drift", "threshold"]), y.drop(columns=num + ["drift", "threshold"]))
+        np.testing.assert_allclose(x[num].to_numpy(), y[num].to_numpy(), atol=1e-5)  # batch invariance, up to float32 rounding
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_a_killed_run_resumes_to_identical_results(tmp_path, monkeypatch, k):
+    cache = cache_file(tmp_path / "c.npz")
+    run(cache, tmp_path / "once.csv")
+    calls = []
+    def dying(state, path):
+        if len(calls) == k + 1: raise KeyboardInterrupt("killed")  # after the header and k chunks; this chunk's rows are on disk, its state is not
+        calls.append(path); return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache, tmp_path / "killed.csv")
+    monkeypatch.setattr(score_module, "save_state", save_state)
+    assert len((tmp_path / "killed.csv").read_text().splitlines()) == 1 + 64 * (k + 1)  # one chunk more than committed
+    assert run(cache, tmp_path / "killed.csv") == (N - 64 * k, N)
+    assert (tmp_path / "killed.csv").read_bytes() == (tmp_path / "once.csv").read_bytes()
+
+
+def test_the_audit_names_the_bank_entries(tmp_path):
+    cache = cache_file(tmp_path / "c.npz")
+    run(cache, tmp_path / "r.csv")
+    audit = write_audit(tmp_path / "r.csv", tmp_path / "audit.csv")
+    saved, rows = Results(tmp_path / "r.csv").load()
+    det = Monitor.from_state_dict(saved["monitor"]).detector
+    c = EmbeddingCache.load(cache)
+    E = torch.as_tensor(c.image_embeddings); E = E / E.norm(dim=1, keepdim=True)
+    names = list(c.source) if c.source is not None else [f"c.npz#{i}" for i in range(len(c))]
+    assert len(audit) == int(det.bank.counts.sum()) == 2 * CONFIG.bank_size
+    for cls, slot, path, t in audit:
+        assert rows[t][1] == path
+        torch.testing.assert_close(det.bank.entries[list(c.class_names).index(cls), slot], E[names.index(path)], atol=1e-6, rtol=0)
+    assert (tmp_path / "audit.csv").read_text().splitlines()[0] == "class,slot,path,index"
+
+
+def test_parquet_holds_the_rows_of_the_csv(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pandas as pd
+    cache = cache_file(tmp_path / "c.npz", 300)
+    run(cache, tmp_path / "r.csv"); run(cache, tmp_path / "r.parquet")
+    a, b = pd.read_csv(tmp_path / "r.csv"), pd.read_parquet(tmp_path / "r.parquet")
+    pd.testing.assert_frame_equal(a, b, check_dtype=False)
+    assert run(cache_file(tmp_path / "c.npz"), tmp_path / "r.parquet") == (N - 300, N)
+
+
+def test_other_settings_are_refused(tmp_path):
+    cache = cache_file(tmp_path / "c.npz", 100)
+    run(cache, tmp_path / "r.csv")
+    with pytest.raises(ValueError, match=r"other settings \(warmup\)"):
+        score_stream(cache, tmp_path / "r.csv", config=CONFIG, warmup=60, chunk_size=64, progress=False)
+    with pytest.raises(ValueError, match="brings its own embeddings"): run(cache, tmp_path / "x.csv", classes="a,b")
+
+
+def proton_ood(*args):
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+
+
+def one_line_error(r):
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    return r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr and lines[0].startswith("proton-ood score: error: ")
+
+
+def test_images_dicom_included_through_the_command(tmp_path):
+    from PIL import Image
+    from test_dicom import write_dicom
+    folder = tmp_path / "in" / "sub"; folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(6): Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    write_dicom(folder / "scan.dcm", rng.integers(0, 4096, (40, 40)).astype(np.uint16))
+    (folder / "notes.txt").write_text("not an image")
+    r = proton_ood("score", str(tmp_path / "in"), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none",
+                   "--classes", "a,b", "--gamma", "0.5", "--no-progress", "--audit", str(tmp_path / "a.csv"))
+    assert r.returncode == 0, r.stderr
+    lines = (tmp_path / "r.csv").read_text().splitlines()
+    assert len(lines) == 8 and lines[0].startswith("index,path,score,flag,threshold,status") and lines[0].endswith("bank:a,bank:b")
+    assert "scan.dcm" in lines[-1]  # by name: 0.png ... 5.png, scan.dcm
+    assert "scored 7 new images" in r.stdout
+
+
+@pytest.mark.parametrize("case", ["empty folder", "unknown model", "unreadable list", "missing source"])
+def test_errors_are_one_line(tmp_path, case):
+    from PIL import Image
+    (tmp_path / "empty").mkdir(); (tmp_path / "photos").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "photos" / "x.png")
+    (tmp_path / "list.txt").write_bytes(b"\xff\xfe\x00 not text")
+    source, model, message = {"empty folder": ("empty", "open_clip:ViT-S-32/none", "no images in"),
+                              "unknown model": ("photos", "biomedclip", "unknown VLM 'biomedclip'"),
+                              "unreadable list": ("list.txt", "open_clip:ViT-S-32/none", "cannot read the file list"),
+                              "missing source": ("absent", "open_clip:ViT-S-32/none", "no image folder or file list")}[case]
+    r = proton_ood("score", str(tmp_path / source), "--out", str(tmp_path / "r.csv"), "--model", model, "--classes", "a,b")
+    assert one_line_error(r) and message in r.stderr, r.stderr

@@ -101,6 +101,7 @@ def _pair(size): return (int(size), int(size)) if isinstance(size, (int, np.inte
 
 class VLM:
     "Base class of the VLM backends: unit-norm image and text embeddings plus the model's temperature."
+    amp:bool = False # encode under float16 autocast (faster on a GPU, less precise); False: float32, as the models' authors run them
     def __init__(self,
                  name:str, # how the model was asked for, e.g. "quiltnet"
                  temperature:float, # τ = 1/s, the model's softmax temperature
@@ -150,7 +151,7 @@ def _image_batches(self:VLM, images, batch_size:int):
 def _encode(self:VLM, hook, batches, what:str):
     "Run `hook` over `batches` without gradients; float32 CPU features, L2-normalised along the last axis."
     out = []
-    with torch.inference_mode(), torch.autocast("cuda", enabled=self.device.type == "cuda"):
+    with torch.inference_mode(), torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
         for b in batches: out.append(hook(b).float().cpu())
     if not out: return torch.zeros(0, self.dim)
     feats = torch.cat(out)

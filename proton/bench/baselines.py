@@ -4,12 +4,14 @@
 
 # %% auto 0
 __all__ = ['ROUTED_SCORES', 'NO_LOCAL', 'PROMPT_POOLINGS', 'NO_PROMPTS', 'KNN_K', 'MAHALANOBIS_RIDGE', 'ZERO_SHOT', 'BASELINES',
-           'PROMPT_SET_OF', 'static_score', 'routed_score', 'gl_mcm_score', 'ensemble_text_embeddings',
-           'prompt_mcm_score', 'split_held_out', 'KNNScorer', 'fit_knn', 'MahalanobisScorer', 'fit_mahalanobis',
-           'Baseline', 'HeldOut', 'baseline_scores', 'prompt_set_for', 'noisy_views']
+           'PROMPT_SET_OF', 'STAND_IN_PROMPTS', 'static_score', 'routed_score', 'gl_mcm_score',
+           'ensemble_text_embeddings', 'prompt_mcm_score', 'split_held_out', 'KNNScorer', 'fit_knn',
+           'MahalanobisScorer', 'fit_mahalanobis', 'Baseline', 'HeldOut', 'baseline_scores', 'prompt_set_for',
+           'noisy_views', 'with_stand_ins']
 
 # %% ../../nbs/22_baselines.ipynb
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -318,3 +320,18 @@ def noisy_views(embeddings, # (N, d) embeddings to perturb
     g = torch.Generator().manual_seed(seed)
     xi = torch.randn(len(E), n_views, E.shape[1], generator=g, dtype=torch.float64) / math.sqrt(E.shape[1])
     return as_unit_rows((E.cpu().double()[:, None] + noise * xi).reshape(-1, E.shape[1])).reshape(xi.shape).to(E)
+
+# %% ../../nbs/22_baselines.ipynb
+STAND_IN_PROMPTS = {"L1": 1, "L5": 5, "tag": 16}  # prompts per class in each stand-in prompt set
+
+def with_stand_ins(cache, # an `EmbeddingCache`, typically simulated, without local embeddings or prompt sets
+                   noise:float=.5, # length of the noise of every view
+                   seed:int=0): # seed of the views
+    "The cache with noisy-view stand-ins for local embeddings and for the prompt sets `STAND_IN_PROMPTS`."
+    views = {s: noisy_views(cache.text_embeddings, k, noise=noise, seed=seed + i + 1).numpy() for i, (s, k) in enumerate(STAND_IN_PROMPTS.items())}
+    prompt_class = np.concatenate([np.repeat(np.arange(cache.n_classes), k) for k in STAND_IN_PROMPTS.values()])
+    prompt_set = [s for s, k in STAND_IN_PROMPTS.items() for _ in range(cache.n_classes * k)]
+    return replace(cache, local_embeddings=noisy_views(cache.image_embeddings, 16, noise=noise, seed=seed + 2).numpy(),
+                   prompt_embeddings=np.concatenate([v.reshape(-1, v.shape[-1]) for v in views.values()]),
+                   prompt_class=prompt_class, prompt_set=prompt_set,
+                   prompts=[f"stand-in {s} prompt of class {c}" for s, c in zip(prompt_set, prompt_class)])

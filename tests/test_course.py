@@ -151,3 +151,10 @@ def test_deep_dives_are_marked_one_way(chapter):
     assert not odd, f"{chapter}: mark a deep dive by ending its heading with {DEEP_DIVE!r}: {odd}"
     if any(h.endswith(DEEP_DIVE) for h in headings):
         assert "*(deep dive, optional)*" in md[0], f"{chapter}: the opening cell should tell the reader that the sections marked *(deep dive, optional)* can be skipped"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_math_has_no_escaped_underscore(chapter):
+    r"Inside $...$ an escaped underscore (`\_`, e.g. `\text{shard\_size}`) renders with its backslash: name the quantity instead."
+    bad = [m.group(0) for _, s in markdown_cells(chapter) for m in re.finditer(r"\$[^$\n]*\\_[^$\n]*\$", s)]
+    assert not bad, f"{chapter}: {bad[:3]}"

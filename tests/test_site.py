@@ -2,8 +2,9 @@
 
 `make book` writes the site to `_build/html`; this test serves it on 127.0.0.1 and visits every page of `_toc.yml`
 and every internal page they link to. It fails on a missing page, a broken internal link or anchor, an error or
-traceback in a page, an image that does not load, a formula MathJax did not typeset, `#|` directive text in a code cell, and a Colab button that does
-not open the chapter's own notebook. It also saves screenshots of the home page and of one chapter to
+traceback in a page, an image that does not load, a formula MathJax did not typeset, `#|` directive text in a code cell, a Colab button that does
+not open the chapter's own notebook, a table or text output wider than the content column of a 1280-pixel window, and a figure shown at
+less than half its natural width. It also saves screenshots of the home page and of one chapter to
 `_build/screenshots/`.
 
 How images are checked: an image "loads" when the browser decoded it, i.e. its `naturalWidth` is positive. Headless
@@ -12,6 +13,7 @@ small script to every HTML page it serves; after the `load` event it makes every
 load or fail, copies `naturalWidth` into a `data-natural-width` attribute and marks `<body data-probe="done">`.
 The dumped DOM then carries what the browser saw. Every image URL is also fetched over HTTP and must answer 200.
 """
+import configparser
 import http.server
 import re
 import shutil
@@ -30,7 +32,8 @@ from bs4 import BeautifulSoup
 ROOT = Path(__file__).parents[1]
 HTML = ROOT / "_build" / "html"
 SHOTS = ROOT / "_build" / "screenshots"
-COLAB = "https://colab.research.google.com/github/GenMI-Lab/PROTON/blob/main/"
+_settings = configparser.ConfigParser(); _settings.read(ROOT / "settings.ini")
+COLAB = f"https://colab.research.google.com/github/{_settings['DEFAULT']['git_url'].split('github.com/')[1].rstrip('/')}/blob/main/"  # from settings.ini
 NOT_BUILT = f"{HTML.relative_to(ROOT)} does not exist: run `make book` first (CI builds the book before this test)"
 NO_BROWSER = "Chromium is not installed: run `make browser` (apt-get install -y chromium)"
 
@@ -38,7 +41,7 @@ NO_BROWSER = "Chromium is not installed: run `make browser` (apt-get install -y 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--hide-scrollbars", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-                  "--virtual-time-budget=15000"]
+                  "--virtual-time-budget=15000", "--window-size=1280,2000"]  # a laptop's browser window
 
 PROBE = b"""<script>
 window.addEventListener("load", () => {
@@ -46,7 +49,11 @@ window.addEventListener("load", () => {
   images.forEach(img => { img.loading = "eager"; });
   Promise.all(images.map(img => img.complete ? null : new Promise(done => {
     img.addEventListener("load", done); img.addEventListener("error", done); }))).then(() => {
-    images.forEach(img => img.setAttribute("data-natural-width", img.naturalWidth));
+    images.forEach(img => { img.setAttribute("data-natural-width", img.naturalWidth); img.setAttribute("data-shown-width", img.clientWidth); });
+    const column = document.querySelector("main article") || document.querySelector("main") || document.body;
+    document.querySelectorAll("div.cell_output table, div.cell_output pre").forEach(el => {
+      if (el.scrollWidth > column.clientWidth + 2) el.setAttribute("data-too-wide", el.scrollWidth + " > " + column.clientWidth);
+    });
     document.body.setAttribute("data-probe", "done");
   });
 });
@@ -103,7 +110,7 @@ class Site:
     "The crawl of the served site: pages, their statuses, rendered DOMs, and the problems found in each category."
     def __init__(self, base):
         self.base, self.status, self.raw, self.dom = base, {}, {}, {}
-        self.problems = {k: [] for k in ("missing", "links", "anchors", "errors", "images", "math", "directives", "colab", "render")}
+        self.problems = {k: [] for k in ("missing", "links", "anchors", "errors", "images", "math", "directives", "colab", "render", "wide", "small")}
         self.toc_pages = [f"{base}/{f}.html" for f in TOC_FILES]
         self.crawl()
         self.render()
@@ -175,8 +182,13 @@ class Site:
         for img in dom.find_all("img"):
             src = urljoin(url, img.get("src", ""))
             if not self.internal(src) and not src.startswith("data:"): continue  # offline: the test cannot load other hosts
-            if not float(img.get("data-natural-width") or 0) > 0:
+            natural, shown = float(img.get("data-natural-width") or 0), float(img.get("data-shown-width") or 0)
+            if not natural > 0:
                 p["images"].append(f"{name}: image not rendered: {img.get('src', '')[:120]}")
+            elif "_images/" in img.get("src", "") and shown < natural / 2:
+                p["small"].append(f"{name}: figure shown {shown:.0f} px wide, under half its {natural:.0f} px: {img.get('src', '')[:80]}")
+        for el in dom.select("[data-too-wide]"):
+            p["wide"].append(f"{name}: {el.name} output wider than the column ({el['data-too-wide']} px): {el.get_text(' ', strip=True)[:80]!r}")
         formulas = dom.select(".math")
         raw = [m for m in formulas if not m.find("mjx-container")]
         if raw: p["math"].append(f"{name}: {len(raw)} of {len(formulas)} formulas not typeset, e.g. {raw[0].get_text()[:80]!r}")
@@ -234,6 +246,16 @@ def test_math_is_typeset(site):
 
 
 def test_no_directive_text(site): assert not site.problems["directives"], report(site.problems["directives"])
+
+
+def test_outputs_fit_the_column(site):
+    "No table or text output is wider than the page's content column (1280-pixel window)."
+    assert not site.problems["wide"], report(site.problems["wide"])
+
+
+def test_figures_are_legible(site):
+    "No figure is shrunk below half its natural width: it would be too small to read."
+    assert not site.problems["small"], report(site.problems["small"])
 
 
 def test_colab_buttons_open_the_chapter(site): assert not site.problems["colab"], report(site.problems["colab"])

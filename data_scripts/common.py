@@ -66,6 +66,7 @@ def prepare(bench: Benchmark, # what to prepare
             progressbar: bool = True, # show tqdm bars
             sources: dict | None = None, # manifest key -> how the file was verified and its SHA-256, for classes.json
             prompts: dict | None = None, # prompt set name -> class folder -> prompts, for prompt_sets.json
+            resize: int | None = None, # store images at this many pixels on the short side (larger ones only); None: byte for byte
             ) -> list[dict]:
     """Select every draw's images, write them under ``out`` with split.csv, classes.json and any prompt sets; return the split.csv rows."""
     from tqdm.auto import tqdm
@@ -89,6 +90,8 @@ def prepare(bench: Benchmark, # what to prepare
                               disable=not progressbar):
             row = wanted[key]
             check_image(data, f"{view_name}:{key}")
+            if resize is not None:
+                data = resized(data, resize)
             target = image_path(row.shift, row.label, view.output_name(key))
             if target in seen:
                 raise LayoutError(f"two images would both be written to {target}")
@@ -97,7 +100,7 @@ def prepare(bench: Benchmark, # what to prepare
             (out / target).write_bytes(data)
             table.append({"file": target, "shift": row.shift, "label": row.label, "source": view_name})
     table = write_split_table(out, table)
-    write_classes(bench, out, table, seed, sources or {})
+    write_classes(bench, out, table, seed, sources or {}, resize)
     if prompts:
         write_prompt_sets(out, prompts)
     if new and limit is None:
@@ -105,8 +108,32 @@ def prepare(bench: Benchmark, # what to prepare
     return table
 
 
-def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sources: dict) -> None:
-    """Write ``classes.json``: ID classes in label order, prompts, counts per shift and label."""
+RESIZE_JPEG_QUALITY = 95  # a resized JPEG is encoded again, at this quality; PNG and TIFF stay lossless
+
+
+def resized(data: bytes, # an image file's bytes
+            short_side: int, # pixels on the short side of the stored image
+            ) -> bytes:
+    """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format; a smaller image unchanged."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        fmt, (w, h) = image.format, image.size
+        if min(w, h) <= short_side:
+            return data
+        if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
+            image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
+        size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
+        small = image.resize(size, Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    small.save(out, format=fmt, **({"quality": RESIZE_JPEG_QUALITY} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sources: dict, resize: int | None = None) -> None:
+    """Write ``classes.json``: ID classes in label order, prompts, counts per shift and label, and how images were resized."""
     counts: dict = {}
     for r in table:
         counts.setdefault(r["shift"], {}).setdefault(r["label"], 0)
@@ -115,7 +142,9 @@ def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sou
                        benchmark=bench.name, prompt_template=bench.prompt_template,
                        templated_prompts={c: [bench.prompt_template.format(name)] for c, name in zip(bench.classes, bench.class_names)},
                        ood_to_id=bench.ood_to_id, counts=counts, seed=seed, sources=sources,
-                       prompt_set_sources=dict(bench.prompt_sources))
+                       prompt_set_sources=dict(bench.prompt_sources),
+                       resize=None if resize is None else {"short_side": resize, "resampling": "PIL bicubic",
+                                                           "formats": f"kept; PNG and TIFF lossless, JPEG re-encoded at quality {RESIZE_JPEG_QUALITY}"})
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -142,6 +171,9 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--manifest", type=Path, default=MANIFEST, help="manifest of sources")
     p.add_argument("--limit", type=int, default=None,
                    help="at most this many images per draw, for a quick smoke test (the split file is not changed)")
+    p.add_argument("--resize", type=int, default=None, metavar="N",
+                   help="store images larger than N pixels on the short side at N (e.g. the model's input size), "
+                        "in their own format (PNG lossless); default: byte for byte")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -160,7 +192,7 @@ def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
 
 
 def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, seed: int,
-         local: dict[str, Path], limit: int | None = None) -> str:
+         local: dict[str, Path], limit: int | None = None, resize: int | None = None) -> str:
     """The dry-run report: every source (URL, size, licence, login, destination), every draw and the prompt sets. Touches no network."""
     lines = [f"PROTON data, {bench.name} benchmark: dry run (nothing is downloaded or written)", "", "Sources:"]
     for key in bench.keys():
@@ -186,7 +218,8 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
         lines.append(f"    to       {dest}  [{state}]")
     rows = read_split(split)
     lines += ["", f"Images, written to {out}/<shift>/<label>/ (split file {split}"
-              f"{'' if split.exists() else ', not there yet'}):"]
+              f"{'' if split.exists() else ', not there yet'}"
+              f"{'' if resize is None else f'; resized to {resize} pixels on the short side'}):"]
     for d in bench.draws:
         fixed = fixed_rows(d, rows)
         n = d.n if limit is None else min(d.n, limit)
@@ -217,8 +250,10 @@ def run(bench: Benchmark, # the benchmark to prepare
     local = parse_local(args.local, bench.keys())
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    if args.resize is not None and args.resize < 1:
+        raise ValueError(f"--resize must be at least 1, got {args.resize}")
     if args.dry_run:
-        return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit)
+        return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     paths, missing = {}, []
     # Kaggle sources first, so that missing credentials are reported before hours of other downloads
     for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):
@@ -234,7 +269,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     views = {name: opener(paths) for name, (_, opener) in bench.views.items()}
     sources = {key: provenance(manifest["sources"][key], path) for key, path in paths.items()}
     return prepare(bench, views, args.out, args.split, seed=args.seed, limit=args.limit,
-                   progressbar=not args.no_progress, sources=sources, prompts=prompts)
+                   progressbar=not args.no_progress, sources=sources, prompts=prompts, resize=args.resize)
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:

@@ -30,6 +30,7 @@ def cli(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list what would be fetched and written; no network")
     p.add_argument("--manifest", type=Path, help="manifest of sources")
     p.add_argument("--limit", type=int, help="at most this many images per draw (smoke test)")
+    p.add_argument("--resize", type=int, help="store images at this many pixels on the short side (see the single scripts' --help)")
     p.add_argument("--local", action="append", default=[], metavar="SOURCE=PATH",
                    help="use a local copy of a source; passed to the benchmarks that use that source")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -41,6 +42,7 @@ def cli(argv=None) -> int:
         sub += ["--raw", str(args.raw)] if args.raw else []
         sub += ["--manifest", str(args.manifest)] if args.manifest else []
         sub += ["--limit", str(args.limit)] if args.limit else []
+        sub += ["--resize", str(args.resize)] if args.resize else []
         sub += ["--dry-run"] if args.dry_run else []
         sub += ["--no-progress"] if args.no_progress else []
         sub += [f"--local={item}" for item in args.local if item.partition("=")[0] in bench.keys()]

@@ -846,3 +846,40 @@ def test_the_prepared_folder_records_how_its_sources_were_verified(served_ophtha
     assert set(sources) == set(ophthalmology.BENCHMARK.keys())
     assert sources["fives"]["verified"].startswith("size only") and sources["deepdrid"]["verified"].startswith("md5")
     assert all(v["sha256"] is None or len(v["sha256"]) == 64 for v in sources.values())
+
+
+def test_resize_stores_images_at_the_short_side_losslessly_for_png(served_ophthalmology):
+    s = served_ophthalmology
+    plain = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "plain"), "--limit", "3"] + s.base)
+    small = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "small"), "--limit", "3", "--resize", "2"] + s.base)
+    assert small == plain  # the same files, in the same places
+    for r in small:
+        before, after = Image.open(s.tmp / "plain" / r["file"]), Image.open(s.tmp / "small" / r["file"])
+        assert before.size == (4, 4) and after.size == (2, 2) and after.format == before.format
+        if after.format == "PNG":  # lossless: exactly PIL's bicubic resize of the original
+            assert np.array_equal(np.asarray(after), np.asarray(before.resize((2, 2), Image.Resampling.BICUBIC)))
+    classes = json.loads((s.tmp / "small" / "classes.json").read_text())
+    assert classes["resize"]["short_side"] == 2 and json.loads((s.tmp / "plain" / "classes.json").read_text())["resize"] is None
+    common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "large"), "--limit", "3", "--resize", "4"] + s.base)
+    assert all((s.tmp / "large" / r["file"]).read_bytes() == (s.tmp / "plain" / r["file"]).read_bytes() for r in plain)  # not enlarged
+    with pytest.raises(ValueError, match="--resize must be at least 1"):
+        common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "none"), "--resize", "0"] + s.base)
+
+
+@pytest.mark.parametrize("mode,size", [("RGB", (300, 120)), ("L", (120, 300)), ("P", (200, 200)), ("I;16", (90, 400))])
+def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
+    array = (np.arange(size[0] * size[1]) % 251).reshape(size[1], size[0])
+    image = (Image.fromarray(array.astype(np.uint16) * 200) if mode == "I;16" else
+             Image.fromarray(array.astype(np.uint8)).convert(mode if mode != "P" else "RGB"))
+    if mode == "P":
+        image = image.convert("P", palette=Image.Palette.ADAPTIVE)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60)))
+    assert out.format == "PNG" and min(out.size) == 60 and out.size[0] / out.size[1] == pytest.approx(size[0] / size[1], rel=0.02)
+    assert out.mode == {"P": "RGB"}.get(mode, mode)
+
+
+def test_prepare_all_passes_resize_on(tmp_path, capsys):
+    assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", "--resize", "224"]) == 0
+    assert capsys.readouterr().out.count("resized to 224 pixels on the short side") == len(BENCHMARKS)

@@ -336,11 +336,11 @@ def summarize(df, # results of `evaluate` or of an experiment
 LABELS = dict(auroc="AUROC", aupr_out="AUPR-out", aupr_in="AUPR-in", fpr95="FPR95", fpr95_ood="FPR95 (OOD)")
 
 def _cell(mean:float, std:float, scale:float):
-    "'mean ± std' with one decimal; the mean alone when std is undefined (one seed)."
-    return f"{scale * mean:.1f}" if np.isnan(std) else f"{scale * mean:.1f} ± {scale * std:.1f}"
+    "'mean±std' with one decimal, compact so that three shifts fit a page; the mean alone when std is undefined (one seed)."
+    return f"{scale * mean:.1f}" if np.isnan(std) else f"{scale * mean:.1f}±{scale * std:.1f}"
 
 def summary_table(summary, # output of `summarize`
-                  metrics:tuple=("auroc", "aupr_out", "fpr95"), # metrics to show
+                  metrics:tuple=("auroc", "fpr95"), # metrics to show (the tidy results hold the others)
                   delta:str|None="auroc", # metric whose delta to the reference is shown; None: none
                   percent:bool=True): # show percentages rather than fractions
     "A wide, readable table of a summary: rows are methods (and settings), columns are (shift, metric)."

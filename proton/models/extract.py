@@ -353,18 +353,11 @@ def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None,
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
-def _under_autocast(hook, device_type:str, amp:bool):
-    "`hook` computing in float32, or under float16 autocast with `amp`, whatever autocast its caller opened."
-    def run(x):
-        with torch.autocast(device_type, dtype=torch.float16, enabled=amp): return hook(x)
-    return run
-
 def _at_precision(vlm:VLM, # the model
                   amp:bool): # float16 autocast; False: float32
     "A shallow copy of `vlm`, sharing its weights, whose encoders compute in float32 or, with `amp`, under float16 autocast."
     out = copy.copy(vlm)
-    for hook in ("_image_features", "_text_features", "_local_features"):
-        setattr(out, hook, _under_autocast(getattr(vlm, hook), vlm.device.type, amp))
+    out.amp = bool(amp)
     return out
 
 # %% ../../nbs/43_extract.ipynb

@@ -92,9 +92,9 @@ def misroute(cache:EmbeddingCache, # the images to route
     "(N,) class each image is routed to: its zero-shot class, but a random other class for round(f·N) random images."
     check_cache(cache)
     if not 0 <= fraction <= 1: raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    if cache.n_classes < 2 and fraction > 0: raise ValueError("misrouting needs at least two classes, the cache has one")
+    if cache.n_classes < 2: raise ValueError("misrouting needs at least two classes, the cache has one")
     routed = cache.predicted().astype(np.int64)
     rng = np.random.default_rng(seed)
     rows = rng.permutation(len(cache))[:round(fraction * len(cache))]
-    routed[rows] = (routed[rows] + rng.integers(1, max(cache.n_classes, 2), len(rows))) % cache.n_classes  # uniform over the others
+    routed[rows] = (routed[rows] + rng.integers(1, cache.n_classes, len(rows))) % cache.n_classes  # uniform over the others
     return routed

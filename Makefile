@@ -49,7 +49,7 @@ test-colab: $(STAMP)
 	PROTON_COLAB_TEST=1 $(BIN)/python -m pytest tests/test_colab_like.py -q
 
 perf: $(STAMP)
-	$(BIN)/python perf/run.py
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf _build

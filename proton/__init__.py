@@ -6,7 +6,9 @@
 __all__ = []
 
 # %% ../nbs/index.ipynb
-from importlib.metadata import version
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from .scores import BASE_SCORES, as_unit_rows, classify, zero_shot_logits, get_base_score
 from .bank import PrototypeBank
@@ -16,4 +18,12 @@ from .detector import Proton, ProtonConfig, ProtonParts
 from .metrics import ood_metrics
 from .deploy import save_detector, load_detector, threshold_for_id_recall
 
-__version__ = version("proton-ood")
+def _version():
+    "The installed distribution's version, or, in a source tree that was never installed (PYTHONPATH), settings.ini's."
+    try: return version("proton-ood")
+    except PackageNotFoundError:
+        ini = Path(__file__).parents[1] / "settings.ini"
+        found = re.search(r"^version\s*=\s*(\S+)", ini.read_text(), re.M) if ini.exists() else None
+        return found[1] if found else "0+unknown"
+
+__version__ = _version()

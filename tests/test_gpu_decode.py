@@ -100,7 +100,8 @@ def test_metadata_and_fingerprint_name_the_path(both, vlm, folder, tmp_path):
     with warnings.catch_warnings(record=True) as caught:  # the device run's shards are not reused by a workers' run
         warnings.simplefilter("always")
         again = extract(vlm, folder, out=out / "device.npz", keep_shards=True, decode_on_device=False, **RUN)
-    assert len(caught) == 3 and all("differs in ['run']" in str(w.message) for w in caught)
+    stale = [w for w in caught if "recomputing shard" in str(w.message)]  # not, say, CPython's warning about forking with CUDA's threads
+    assert len(stale) == 3 and all("differs in ['run']" in str(w.message) for w in stale)
     np.testing.assert_array_equal(again.image_embeddings, cpu.image_embeddings)
 
 

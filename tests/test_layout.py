@@ -74,3 +74,15 @@ def test_import_proton_loads_only_the_core():
 def test_the_package_docstring_is_one_line():
     import proton
     assert proton.__doc__ and "\n" not in proton.__doc__.strip() and not hasattr(proton, "_all_")
+
+
+def test_a_source_tree_that_was_never_installed_imports():
+    "PYTHONPATH=<checkout> python -c 'import proton', as on a machine where nothing was pip-installed: the version comes from settings.ini."
+    code = ("import importlib.metadata as md\n"
+            "def missing(name): raise md.PackageNotFoundError(name)\n"
+            "md.version = missing  # no installed distribution's metadata, as without pip install\n"
+            "import proton; print(proton.__version__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr.strip().splitlines()[-1]
+    version = next(line.split("=")[1].strip() for line in (ROOT / "settings.ini").read_text().splitlines() if line.startswith("version"))
+    assert run.stdout.strip() == version

@@ -11,16 +11,20 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'SHARD_FORMAT',
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
+import contextlib
 import copy
 import hashlib
 import io
 import json
 import math
 import os
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -220,10 +224,11 @@ def decode_jpegs(raw:list, # M JPEG files' bytes, as 1-D uint8 tensors on the CP
 
 # %% ../../nbs/43_extract.ipynb
 def _test_jpeg():
-    "A 300 × 200 colour JPEG with gradients and fine detail, as bytes."
+    "A 300 × 200 colour JPEG as photographs are: fine detail in brightness, colour that varies smoothly; as bytes."
     from PIL import Image
     y, x = np.mgrid[0:200, 0:300]
-    rgb = np.stack([x * 255 / 299, y * 255 / 199, 127.5 + 127.5 * np.sin(x / 3) * np.cos(y / 2)], -1).astype(np.uint8)
+    fine = 50 * np.sin(x / 3) * np.cos(y / 2)  # the same in every channel: brightness, which JPEG keeps at full resolution
+    rgb = np.clip(np.stack([60 + x * 130 / 299 + fine, 60 + y * 130 / 199 + fine, 120 + fine], -1), 0, 255).astype(np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(rgb).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
@@ -265,10 +270,12 @@ class JpegBytes(ImageFiles):
         return x, None, error
 
 def collate_jpeg_bytes(items:list): # `JpegBytes` items
-    "One batch: the images the workers decoded, stacked; the JPEG bytes, listed; where each goes; every item's error."
+    "One batch: the images the workers decoded, stacked; the JPEG files joined in one byte tensor, with their sizes; where each goes; every item's error."
     decoded, jpeg_at = [j for j, it in enumerate(items) if it[0] is not None], [j for j, it in enumerate(items) if it[1] is not None]
+    jpegs = [items[j][1] for j in jpeg_at]  # one tensor crosses from the worker, not one per file
     return dict(images=torch.stack([items[j][0] for j in decoded]) if decoded else torch.zeros(0), decoded=decoded,
-                jpegs=[items[j][1] for j in jpeg_at], jpeg_at=jpeg_at, errors=[it[2] for it in items])
+                jpeg_bytes=torch.cat(jpegs) if jpegs else torch.zeros(0, dtype=torch.uint8), jpeg_sizes=[len(r) for r in jpegs],
+                jpeg_at=jpeg_at, errors=[it[2] for it in items])
 
 def _assemble(batch:dict, # from `collate_jpeg_bytes`
               index:list, # the batch's image indices in `files`
@@ -278,7 +285,7 @@ def _assemble(batch:dict, # from `collate_jpeg_bytes`
     "The batch's (B, 3, H, W) images on `device` and its B errors: JPEGs decoded and preprocessed there, the rest copied from the workers."
     x, errors = torch.empty((len(index), *files.shape), device=device), list(batch["errors"])
     if batch["decoded"]: x[batch["decoded"]] = batch["images"].to(device, non_blocking=True)
-    decoded = decode_jpegs(batch["jpegs"], device)
+    decoded = decode_jpegs(list(torch.split(batch["jpeg_bytes"], batch["jpeg_sizes"])), device)
     good = [j for j, im in enumerate(decoded) if not isinstance(im, str)]
     if good: x[[batch["jpeg_at"][j] for j in good]] = preprocess([decoded[j] for j in good])
     for j in sorted(set(range(len(decoded))) - set(good)):  # what the device cannot decode, PIL decodes or reports, as on the CPU path
@@ -366,28 +373,71 @@ def default_workers():
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(16, cpus)
 
+def _ahead(items, # an iterable, read in a background thread
+           work, # a function of one item
+           depth:int=2): # results kept ready ahead of the consumer
+    "`work(item)` for each item, in order, computed in a background thread up to `depth` items ahead; its errors are raised here."
+    ready, stop, end = queue.Queue(depth), threading.Event(), object()
+    def put(x):
+        while not stop.is_set():
+            try: return ready.put(x, timeout=0.05)
+            except queue.Full: pass
+    def run():
+        try:
+            for item in items:
+                if stop.is_set(): return
+                put((work(item), None))
+            put((end, None))
+        except BaseException as e: put((None, e))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        while True:
+            x, error = ready.get()
+            if error is not None: raise error
+            if x is end: return
+            yield x
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
 def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards:Path, header, batch_size:int,
                   num_workers:int, local:bool, strict:bool, amp:bool, on_device:DevicePreprocess|None, bar):
-    "Compute and write the shards `todo`, decoding images in `num_workers` processes, or JPEGs on the device with `on_device`."
+    """Compute and write the shards `todo`, decoding images in `num_workers` processes, or JPEGs on the device with `on_device`.
+    A background thread puts the next batches on the device (on their own CUDA stream) while the model encodes this one,
+    and another writes finished shards, so that neither decoding nor writing waits for the other or for the model."""
     cuda, encoder, shape = vlm.device.type == "cuda", _at_precision(vlm, amp), (3, *vlm.image_size)
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
     files = (ImageFiles if on_device is None else JpegBytes)(folder.root, folder.files, _Preprocess(vlm), shape, strict)
     loader = torch.utils.data.DataLoader(files, batch_sampler=batches, num_workers=num_workers, pin_memory=cuda,
                                          collate_fn=None if on_device is None else collate_jpeg_bytes)
-    loaded, indices = iter(loader), iter(batches)
-    for k in todo:
-        (a, b), glob, patches, errors = ranges[k], [], [], []
-        for _ in range(math.ceil((b - a) / batch_size)):
-            batch, index = next(loaded), next(indices)
+    side = torch.cuda.Stream(vlm.device) if cuda else None
+    def stage(item):  # in the background thread: the batch on the device, and an event that says when it is there
+        batch, index = item
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             if on_device is None: x, failed = batch[0].to(vlm.device, non_blocking=cuda), list(batch[1])
             else: x, failed = _assemble(batch, index, files, on_device, vlm.device)
-            errors += failed
-            glob.append(encoder.encode_images(x, batch_size=len(x)))
-            if local: patches.append(encoder.encode_local(x, batch_size=len(x)))
-            bar.update(len(x))
-        arrays = dict(image_embeddings=torch.cat(glob).numpy(), files=np.array(folder.files[a:b], dtype=str), errors=np.array(errors, dtype=str))
-        if local: arrays["local_embeddings"] = torch.cat(patches).numpy()
-        _write_shard(shard_path(shards, k), arrays, header(k))
+            return x, failed, side.record_event() if cuda else None
+    loaded = iter(loader)  # the workers start here, in this thread, before the two others
+    with ThreadPoolExecutor(1) as writer, contextlib.closing(_ahead(zip(loaded, batches), stage)) as staged:
+        written = []
+        for k in todo:
+            (a, b), glob, patches, errors = ranges[k], [], [], []
+            for _ in range(math.ceil((b - a) / batch_size)):
+                x, failed, there = next(staged)
+                if cuda:
+                    torch.cuda.current_stream(vlm.device).wait_event(there)
+                    x.record_stream(torch.cuda.current_stream(vlm.device))  # its memory is not reused before the model is done with it
+                errors += failed
+                glob.append(encoder.encode_images(x, batch_size=len(x)))
+                if local: patches.append(encoder.encode_local(x, batch_size=len(x)))
+                bar.update(len(x))
+            arrays = dict(image_embeddings=torch.cat(glob).numpy(), files=np.array(folder.files[a:b], dtype=str), errors=np.array(errors, dtype=str))
+            if local: arrays["local_embeddings"] = torch.cat(patches).numpy()
+            written.append(writer.submit(_write_shard, shard_path(shards, k), arrays, header(k)))
+            for w in written:
+                if w.done(): w.result()  # a failed write stops the run now
+        for w in written: w.result()
 
 # %% ../../nbs/43_extract.ipynb
 def _decoding(vlm:VLM, # the model

@@ -1,6 +1,6 @@
 """Benchmarks of the PROTON stream engine: throughput, single-image latency and peak memory.
 
-Run: `.venv/bin/python perf/run.py` (10–20 minutes on a 2-core CPU, most of it in the per-image paths at
+Run: `.venv/bin/python benchmarks/run.py` (10–20 minutes on a 2-core CPU, most of it in the per-image paths at
 N = 10^6; add `--quick` for a short run). Every number is measured in this run, on
 this machine, and speed-ups are printed as ratios against baselines measured in the same run:
 - `vectorised`: `Proton.score` on the whole stream (the exact vectorised engine), best of 5 runs;

@@ -1,6 +1,6 @@
 """End-to-end time of the whole experiment suite, `proton-ood evaluate --experiments all`, on an embedding cache.
 
-Run: `python perf/suite.py` (add `--json FILE` to keep the summary). It writes a synthetic embedding cache of
+Run: `python benchmarks/suite.py` (add `--json FILE` to keep the summary). It writes a synthetic embedding cache of
 realistic size with the library's own writer (`EmbeddingCache.from_world(SyntheticWorld.preset(...)).save(...)`), then
 runs the `proton-ood` console script's entry point (`proton.cli:main`) in a fresh Python process, exactly as
 `proton-ood evaluate CACHE --experiments all` would, and times it from process start to exit (imports included).

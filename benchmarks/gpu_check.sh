@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One-shot check on a lent GPU machine (H100/H200, no internet), run from the repository root:
-#   bash perf/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
-# Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_vit_cuda.json, extract_flair_cuda.json.
+#   bash benchmarks/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
+#   STEPS="a d" bash benchmarks/gpu_check.sh   (only the named steps; default all)
+# Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_*.json.
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
-# e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction throughput (ViT-B/32, then FLAIR).
+# e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: nvJPEG parity with the CPU preprocessing,
+# then throughput at steady state (ViT-B/32 on 8,192 JPEG files, float32 and float16 autocast; FLAIR on 4,096 PNG files
+# stored at its input resolution, as the data scripts' --resize 512 prepares them).
 # Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step that fails or
 # times out is logged and the next one runs.
 set -u -o pipefail
@@ -12,6 +15,8 @@ mkdir -p "$OUT"
 LOG="$OUT/log"
 BUDGET=${BUDGET:-400}  # seconds for the whole script (the brief allows 7 minutes)
 DEV=${DEV:-cuda}
+STEPS=${STEPS:-"a b c e d"}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
 
 step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND with a timeout, log its output, never stop the script
@@ -29,10 +34,12 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND with a timeout, log it
   return 0
 }
 
-# wheels of the dependencies the machine lacks; the package itself is imported from the repository root
+# wheels of the dependencies the machine lacks, then the package itself (its metadata gives proton.__version__)
 step "install wheels" 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+step "install proton" 60 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+export PYTHONPATH=/tmp/site
 
+if want a; then
 # a. the machine
 step "a. GPU" 30 nvidia-smi -L
 step "a. torch" 60 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -45,15 +52,21 @@ for d in ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "tqdm", "ti
 for m in ("proton", "proton.cli", "proton.bench.evaluation", "proton.models.extract", "proton.models.vlm", "proton.models.flair", "open_clip"):
     print(f"{m:>16}", importlib.import_module(m).__file__)'
 
+step "a. shared memory" 10 df -h /dev/shm
+fi
+
+if want b; then
 # b. CUDA parity of the engine: the tests run on the device named by PROTON_TEST_DEVICE
 step "b. parity tests" 150 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -x -rs -p no:cacheprovider tests/test_engine.py tests/test_reference.py
+fi
 
+if want c; then
 # c. stream-engine performance
-step "c. engine performance" 200 python3 perf/run.py --device $DEV --json "$OUT/bench_cuda.json"
+step "c. engine performance" 200 python3 benchmarks/run.py --device $DEV --json "$OUT/bench_cuda.json"
 
 # c2. chunk size on the GPU: the engine's throughput at N=10^7, C=2, for chunks of 2^16 to 2^21 images
 step "c2. chunk sizes" 60 python3 -c '
-import sys, time, json, torch; sys.path.insert(0, "perf")
+import sys, time, json, torch; sys.path.insert(0, "benchmarks")
 import proton.engine as engine
 from proton import Proton
 from run import stream
@@ -64,12 +77,20 @@ for size in (1 << 16, 1 << 18, 1 << 20, 1 << 21):
     for _ in range(3):
         torch.cuda.synchronize(); t = time.perf_counter(); Proton(T).score(X); torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)
     print(json.dumps(dict(chunk=size, n=len(X), samples_per_s=round(len(X) / best), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))))'
+fi
 
+if want e; then
 # e. the whole experiment suite from an embedding cache (5,000 synthetic images, d=512); proton-ood evaluate runs on the CPU
-step "e. suite end to end" 120 python3 perf/suite.py --n-id 2000 --n-per-shift 1000 --timeout 105 --json "$OUT/suite.json"
+step "e. suite end to end" 120 python3 benchmarks/suite.py --n-id 2000 --n-per-shift 1000 --timeout 105 --json "$OUT/suite.json"
+fi
 
-# d. extraction throughput: ViT-B/32 on 1,024 JPEGs, then FLAIR on 128 PNGs of 1024x1024 (writing 2048x2048 PNGs takes ~1 s each)
-step "d. extract ViT-B/32" 80 python3 perf/extract.py --device $DEV --models vit-b-32 --n 1024 --batch-size 64 --repeats 2 --json "$OUT/extract_vit_cuda.json"
-step "d. extract FLAIR" 100 python3 perf/extract.py --device $DEV --models flair --n 128 --batch-size 64 --repeats 1 --fundus-size 1024 --json "$OUT/extract_flair_cuda.json"
+if want d; then
+# d. extraction: the device path's parity on CUDA (nvJPEG; prints the measured pixel difference), then throughput at steady state
+step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
+step "d. decode parity by file kind" 60 python3 benchmarks/decode_parity.py --device $DEV --json "$OUT/decode_parity.json"
+step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
+step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --json "$OUT/extract_vit_amp.json"
+step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --json "$OUT/extract_flair_512.json"
+fi
 
 echo "=== done in ${SECONDS}s; files: $(cd "$OUT" && ls | tr '\n' ' ')" | tee -a "$LOG"

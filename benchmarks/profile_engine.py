@@ -1,6 +1,6 @@
 """Where the stream engine spends its time: a per-operator profile of `Proton.score` on one stream.
 
-Run: `.venv/bin/python perf/profile_engine.py --device cuda --n 10000000` (defaults: the CPU, 10^6 images, C=2).
+Run: `.venv/bin/python benchmarks/profile_engine.py --device cuda --n 10000000` (defaults: the CPU, 10^6 images, C=2).
 Prints the throughput of a plain run, then the operators sorted by their own time on the device (CUDA kernels on a
 GPU, CPU time otherwise), measured with `torch.profiler` on a second run.
 """

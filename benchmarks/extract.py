@@ -51,18 +51,18 @@ def image_path(folder, i, name):
     return path
 
 
-def fundus_files(folder, n, side, jobs=1):
-    "n PNG fundus photographs of side x side pixels (FIVES' format), variations of scikit-image's retina, written by `jobs` processes."
-    parallel(_fundus_chunk, folder, n, jobs, side)
+def fundus_files(folder, n, side, level=1, jobs=1):
+    "n PNG fundus photographs of side x side pixels (FIVES' format) at zlib `level`, variations of scikit-image's retina, written by `jobs` processes."
+    parallel(_fundus_chunk, folder, n, jobs, side, level)
 
 
-def _fundus_chunk(folder, indices, side):
+def _fundus_chunk(folder, indices, side, level):
     arr = np.asarray(Image.fromarray(skdata.retina()).resize((side, side), Image.BICUBIC))
     for i in indices:
         v = np.rot90(arr, i % 4)
         v = v[:, ::-1] if (i // 4) % 2 else v
         v = np.clip(v.astype(np.int16) + (i % 16) - 8, 0, 255).astype(np.uint8)  # every file its own content
-        Image.fromarray(np.ascontiguousarray(v)).save(image_path(folder, i, f"fundus_{i:05d}.png"), compress_level=1)  # decoding speed hardly depends on the level
+        Image.fromarray(np.ascontiguousarray(v)).save(image_path(folder, i, f"fundus_{i:05d}.png"), compress_level=level)
 
 
 def photo_files(folder, n, size=(500, 375), seed=0, jobs=1):
@@ -187,6 +187,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="end-to-end runs, best reported (default 2; --quick 1)")
     p.add_argument("--warmup-batches", type=int, default=None, help="loader batches not timed (default: one per worker; at least 1)")
     p.add_argument("--fundus-size", type=int, default=None, help="side of the PNG fundus files (default 2048, FIVES; --quick 512)")
+    p.add_argument("--png-level", type=int, default=1, help="zlib level of the PNG files (default 1, quick to write; 0 as the data scripts' --resize stores them)")
     p.add_argument("--models", default="flair,vit-b-32", help="comma-separated: flair, vit-b-32")
     p.add_argument("--paths", default="workers,device", help="comma-separated decoding paths: workers, device")
     p.add_argument("--amp", action="store_true", help="forward passes under float16 autocast (extract's amp=True); default float32")
@@ -212,9 +213,9 @@ def main(argv=None):
             folder = Path(scratch, model)
             t = time.perf_counter()
             if model == "flair":
-                fundus_files(folder, n, fundus, jobs=os.cpu_count())
+                fundus_files(folder, n, fundus, args.png_level, jobs=os.cpu_count())
                 vlm, weights = load_flair_model(args, device, scratch)
-                label, files = "FLAIR ResNet-50, 512x512", f"PNG {fundus}x{fundus}"
+                label, files = "FLAIR ResNet-50, 512x512", f"PNG {fundus}x{fundus} z{args.png_level}"
             elif model == "vit-b-32":
                 photo_files(folder, n, jobs=os.cpu_count())
                 vlm, weights = load_vlm("open_clip:ViT-B-32/none", device=device), "random weights"
@@ -238,13 +239,13 @@ def main(argv=None):
             del vlm
             if device.type == "cuda": torch.cuda.empty_cache()
     print(f"\nimages/s; forward passes in {precision}; ratios against forward only of the same model, in this run")
-    print(f"{'model':<26}{'files':<15}{'path':<9}{'forward only':>13}{'loader only':>12}{'e2e whole':>11}{'e2e steady':>12}"
+    print(f"{'model':<26}{'files':<18}{'path':<9}{'forward only':>13}{'loader only':>12}{'e2e whole':>11}{'e2e steady':>12}"
           f"{'loader/fwd':>11}{'e2e/fwd':>9}{'steady/fwd':>11}")
     for r in rows:
         if "refused" in r:
-            print(f"{r['model']:<26}{r['files']:<15}{r['path']:<9}{r['forward_only']:>13.1f}   device path refused: {r['refused']}")
+            print(f"{r['model']:<26}{r['files']:<18}{r['path']:<9}{r['forward_only']:>13.1f}   device path refused: {r['refused']}")
             continue
-        print(f"{r['model']:<26}{r['files']:<15}{r['path']:<9}{r['forward_only']:>13.1f}{r['loader_only']:>12.1f}{r['end_to_end']:>11.1f}"
+        print(f"{r['model']:<26}{r['files']:<18}{r['path']:<9}{r['forward_only']:>13.1f}{r['loader_only']:>12.1f}{r['end_to_end']:>11.1f}"
               f"{r['end_to_end_steady']:>12.1f}{r['loader_ratio']:>11.2f}{r['ratio']:>9.2f}{r['steady_ratio']:>11.2f}")
     for r in rows:
         if "refused" in r: continue

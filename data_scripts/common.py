@@ -109,6 +109,7 @@ def prepare(bench: Benchmark, # what to prepare
 
 
 RESIZE_JPEG_QUALITY = 95  # a resized JPEG is encoded again, at this quality; PNG and TIFF stay lossless
+RESIZE_PNG_LEVEL = 0  # a resized PNG is stored without zlib compression: about 3x the bytes, decoded about twice as fast
 
 
 def resized(data: bytes, # an image file's bytes
@@ -128,7 +129,7 @@ def resized(data: bytes, # an image file's bytes
         size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
         small = image.resize(size, Image.Resampling.BICUBIC)
     out = io.BytesIO()
-    small.save(out, format=fmt, **({"quality": RESIZE_JPEG_QUALITY} if fmt == "JPEG" else {}))
+    small.save(out, format=fmt, **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
     return out.getvalue()
 
 
@@ -173,7 +174,7 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
                    help="at most this many images per draw, for a quick smoke test (the split file is not changed)")
     p.add_argument("--resize", type=int, default=None, metavar="N",
                    help="store images larger than N pixels on the short side at N (e.g. the model's input size), "
-                        "in their own format (PNG lossless); default: byte for byte")
+                        "in their own format (PNG lossless and uncompressed, to decode fast); default: byte for byte")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 

@@ -880,6 +880,16 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     assert out.mode == {"P": "RGB"}.get(mode, mode)
 
 
+def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():
+    "Decoding limits FLAIR's extraction from PNG files: a resized one is stored without compression, as many bytes as pixels and more."
+    rng = np.random.default_rng(0)
+    smooth = np.clip(np.add.outer(np.arange(240), np.arange(320)) / 2 + rng.normal(0, 1, (240, 320)), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(np.stack([smooth] * 3, -1)).save(buffer, format="PNG")  # PIL's default level: compresses well
+    small = common.resized(buffer.getvalue(), 120)
+    assert len(small) >= 120 * 160 * 3 > len(buffer.getvalue()) / 4
+
+
 def test_prepare_all_passes_resize_on(tmp_path, capsys):
     assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", "--resize", "224"]) == 0
     assert capsys.readouterr().out.count("resized to 224 pixels on the short side") == len(BENCHMARKS)

@@ -17,16 +17,21 @@ always take the workers' path). For each model and path, all in this run, on thi
 - end to end: `extract` from the image files to a written cache (prompts, shards, checksums and the final file), as a
   whole call, and at steady state: the difference between a run on all files and a run on the first half of them,
   which cancels the fixed costs (model copies, prompts, worker start-up, writing the cache).
+With --breakdown, one more end-to-end run is timed stage by stage, per thread (waiting for the workers, putting a batch on
+the device, decoding, preprocessing, waiting for a staged batch, encoding, writing shards), to show which stage the others wait on.
 Ratios are against forward only, measured in the same run. The target of the issue is end to end (steady) at least
 0.50 of forward only. Image files are read from the page cache (they were just written), so disk speed is not part of
 the numbers.
 """
 import argparse
+import collections
+import contextlib
 import json
 import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -36,7 +41,8 @@ import torch
 from PIL import Image
 from skimage import data as skdata
 
-from proton.models import load_vlm
+import proton.models.extract as ex
+from proton.models import VLM, load_vlm
 from proton.models.extract import (ImageFiles, JpegBytes, _assemble, _at_precision, _Preprocess, collate_jpeg_bytes,
                                    default_workers, device_preprocessing, extract)
 
@@ -172,6 +178,56 @@ def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device
     return whole, steady
 
 
+@contextlib.contextmanager
+def stages():
+    """Within the block, the wall time `extract` spends in each stage, by thread: {(thread, stage): seconds}.
+
+    The wrappers time the module's own functions: in the main thread, waiting for the next staged batch and encoding it;
+    in the staging thread, waiting for the workers and putting a batch on the device (decoding and preprocessing JPEG files
+    there, on the device path); in the writing thread, writing shards."""
+    seconds = collections.Counter()
+    def add(stage, start): seconds[threading.current_thread().name.split("-")[0], stage] += time.perf_counter() - start
+    def timed(f, stage):
+        def run(*a, **k):
+            start = time.perf_counter()
+            try: return f(*a, **k)
+            finally: add(stage, start)
+        return run
+    def timed_iter(items, stage):
+        items = iter(items)
+        while True:
+            start = time.perf_counter()
+            try: item = next(items)
+            except StopIteration: return
+            finally: add(stage, start)
+            yield item
+    ahead, saved = ex._ahead, dict(decode_jpegs=ex.decode_jpegs, _write_shard=ex._write_shard, encode_images=VLM.encode_images,
+                                   call=ex.DevicePreprocess.__call__)
+    def timed_ahead(items, work, depth=2):
+        staged = ahead(timed_iter(items, "waiting for the workers"), timed(work, "putting a batch on the device"), depth)
+        try: yield from timed_iter(staged, "waiting for a staged batch")
+        finally: staged.close()
+    ex._ahead, ex.decode_jpegs, ex._write_shard = timed_ahead, timed(saved["decode_jpegs"], "  of which decoding JPEG files"), timed(saved["_write_shard"], "writing a shard")
+    VLM.encode_images, ex.DevicePreprocess.__call__ = timed(saved["encode_images"], "encoding"), timed(saved["call"], "  of which preprocessing")
+    try: yield seconds
+    finally:
+        ex._ahead, ex.decode_jpegs, ex._write_shard = ahead, saved["decode_jpegs"], saved["_write_shard"]
+        VLM.encode_images, ex.DevicePreprocess.__call__ = saved["encode_images"], saved["call"]
+
+
+def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch):
+    "One `extract` on all files, timed stage by stage: {thread: {stage: seconds}}, and the whole call's seconds."
+    with stages() as seconds:
+        start = time.perf_counter()
+        extract(vlm, folder, out=Path(scratch, "breakdown.npz"), batch_size=batch_size, num_workers=workers, shard_size=max(256, batch_size),
+                amp=amp, decode_on_device=on_device, resume=False, progress=False)
+        total = time.perf_counter() - start
+    Path(scratch, "breakdown.npz").unlink()
+    out = collections.defaultdict(dict)
+    for (thread, stage), t in sorted(seconds.items()): out[{"MainThread": "main", "Thread": "staging", "ThreadPoolExecutor": "writing"}.get(thread, thread)][stage] = t
+    return dict(out), total
+
+
 def machine(device):
     if device.type == "cuda": return f"GPU {torch.cuda.get_device_name(device)}, {os.cpu_count()} CPU cores"
     return f"CPU only: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
@@ -193,6 +249,7 @@ def main(argv=None):
     p.add_argument("--amp", action="store_true", help="forward passes under float16 autocast (extract's amp=True); default float32")
     p.add_argument("--flair-checkpoint", default=None, help="time the released flair_resnet.pth instead of random weights")
     p.add_argument("--flair-tokenizer", default=None, help="folder with Bio_ClinicalBERT's vocab.txt (with --flair-checkpoint)")
+    p.add_argument("--breakdown", action="store_true", help="also time one end-to-end run stage by stage, per thread")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -235,6 +292,11 @@ def main(argv=None):
                 whole, steady = end_to_end(vlm, folder, half, n, n_half, batch_size, workers, args.amp, path == "device", repeats, scratch)
                 rows.append(row | dict(loader_only=load, end_to_end=whole, end_to_end_steady=steady,
                                        loader_ratio=load / fwd, ratio=whole / fwd, steady_ratio=steady / fwd))
+                if args.breakdown:
+                    rows[-1]["breakdown"], total = breakdown(vlm, folder, n, batch_size, workers, args.amp, path == "device", scratch)
+                    print(f"  {path}: where one end-to-end run of {total:.2f} s spends its time, per thread (seconds; threads overlap)")
+                    for thread, by_stage in rows[-1]["breakdown"].items():
+                        for stage, t in by_stage.items(): print(f"    {thread:<8}{stage:<34}{t:>8.2f}")
                 print(f"  {path}: done", flush=True)
             del vlm
             if device.type == "cuda": torch.cuda.empty_cache()

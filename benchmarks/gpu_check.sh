@@ -89,7 +89,7 @@ if want d; then
 step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
 step "d. decode parity by file kind" 60 python3 benchmarks/decode_parity.py --device $DEV --json "$OUT/decode_parity.json"
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
-step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --json "$OUT/extract_vit_amp.json"
+step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --breakdown --json "$OUT/extract_vit_amp.json"
 step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"
 fi
 

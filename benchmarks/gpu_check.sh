@@ -2,6 +2,9 @@
 # One-shot check on a lent GPU machine (H100/H200, no internet), run from the repository root:
 #   bash benchmarks/gpu_check.sh          (needs .whl/ carried along: open_clip_torch, ftfy, wcwidth wheels)
 #   STEPS="a d" bash benchmarks/gpu_check.sh   (only the named steps; default all)
+# The wheels, fetched where pip works (the GPU machine has torch, torchvision and the rest):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13
 # Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_*.json.
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: nvJPEG parity with the CPU preprocessing,

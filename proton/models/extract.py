@@ -403,9 +403,7 @@ def _ahead(items, # an iterable, read in a background thread
 
 def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards:Path, header, batch_size:int,
                   num_workers:int, local:bool, strict:bool, amp:bool, on_device:DevicePreprocess|None, bar):
-    """Compute and write the shards `todo`, decoding images in `num_workers` processes, or JPEGs on the device with `on_device`.
-    A background thread puts the next batches on the device (on their own CUDA stream) while the model encodes this one,
-    and another writes finished shards, so that neither decoding nor writing waits for the other or for the model."""
+    "Compute and write the shards `todo`: workers decode, a thread stages batches on the device, the model encodes, a thread writes."
     cuda, encoder, shape = vlm.device.type == "cuda", _at_precision(vlm, amp), (3, *vlm.image_size)
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
     files = (ImageFiles if on_device is None else JpegBytes)(folder.root, folder.files, _Preprocess(vlm), shape, strict)

@@ -1,0 +1,42 @@
+"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py` and `benchmarks/decode_parity.py`.
+
+Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def run(script, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_extract_benchmark_measures_every_path_and_stage(tmp_path):
+    out = tmp_path / "extract.json"
+    printed = run("extract.py", "--quick", "--models", "vit-b-32,flair", "--n", "8", "--batch-size", "4", "--workers", "1",
+                  "--fundus-size", "64", "--breakdown", "--json", str(out))
+    rows = {(r["model"].split(",")[0], r["path"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("ViT-B/32", "workers"), ("ViT-B/32", "device"), ("FLAIR ResNet-50", "workers"), ("FLAIR ResNet-50", "device")}
+    assert "FLAIR preprocesses with a function" in rows["FLAIR ResNet-50", "device"]["refused"]
+    for key, r in rows.items():
+        if "refused" in r: continue
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("forward_only", "loader_only", "end_to_end")), key
+        assert r["breakdown"]["main"]["encoding"] > 0 and "writing a shard" in r["breakdown"]["writing"]
+    assert rows["ViT-B/32", "device"]["breakdown"]["staging"]["  of which decoding JPEG files"] > 0  # the device path decodes in the staging thread
+    assert "no verdict" in printed  # --quick never claims a GPU target
+
+
+def test_decode_parity_on_the_cpu_is_exact(tmp_path):
+    out = tmp_path / "parity.json"
+    run("decode_parity.py", "--device", "cpu", "--model", "open_clip:ViT-S-32/none", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6
+    for kind, r in rows.items():  # the CPU decodes with libjpeg-turbo on both sides: the same pixels, resized by the same code
+        assert r["decode"]["max"] == 0 and r["resize"]["max"] == 0 and r["total"]["mean"] < 0.01, kind

@@ -126,8 +126,9 @@ def flair_preprocess(image, # a PIL image, or an (H, W) or (H, W, 3) uint8 array
     "(3, size, size) float tensor in [0, 1]: longest side scaled to `size`, zero-padded right and bottom."
     x = torch.from_numpy(np.asarray(as_rgb_image(image), dtype=np.float32) / 255).permute(2, 0, 1)[None]
     h, w = _content_size(*x.shape[-2:], size)
-    x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False, antialias=True)
-    x = x.clamp(0, 1)  # the antialiasing filter's rounding can overshoot 1 by a float ulp
+    if (h, w) != tuple(x.shape[-2:]):  # at its own size the filter is the identity: images stored at 512 (--resize) skip it
+        x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False, antialias=True)
+        x = x.clamp(0, 1)  # the antialiasing filter's rounding can overshoot 1 by a float ulp
     return F.pad(x, (0, size - w, 0, size - h))[0]
 
 # %% ../../nbs/41_flair.ipynb

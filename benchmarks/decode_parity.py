@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from skimage import data as skdata
 
 import proton.models.extract as ex
 from proton.models import load_vlm
+
+from extract import PHOTOS, photo_crop  # benchmarks/extract.py: the same photographs and crops
 
 
 def jpeg(rgb, **save):
@@ -35,17 +36,11 @@ def kinds(seed=0):
     "{name: [JPEG bytes]}: the self-check's pattern in two chroma layouts, scikit-image's photographs, benchmark-like crops."
     y, x = np.mgrid[0:200, 0:300]
     colour = np.stack([x * 255 / 299, y * 255 / 199, 127.5 + 127.5 * np.sin(x / 3) * np.cos(y / 2)], -1).astype(np.uint8)
-    photos = [f() for f in (skdata.astronaut, skdata.chelsea, skdata.coffee, skdata.rocket, skdata.retina, skdata.immunohistochemistry)]
-    rng, crops = np.random.default_rng(seed), []
-    for i in range(48):
-        p = Image.fromarray(photos[i % len(photos)])
-        w, h = p.size
-        cw, ch = int(w * rng.uniform(0.5, 1)), int(h * rng.uniform(0.5, 1))
-        left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-        crops.append(jpeg(np.asarray(p.crop((left, top, left + cw, top + ch)).resize((500, 375), Image.BILINEAR))))
+    photos = [Image.fromarray(f()).convert("RGB") for f in PHOTOS]
+    crops = [jpeg(np.asarray(photo_crop(photos, i, seed=seed))) for i in range(48)]
     return {"self-check pattern 4:2:0": [ex._test_jpeg()], "fine colour detail 4:2:0": [jpeg(colour)],
             "fine colour detail 4:4:4": [jpeg(colour, subsampling=0)],
-            "photographs 4:2:0": [jpeg(p) for p in photos], "photographs 4:4:4": [jpeg(p, subsampling=0) for p in photos],
+            "photographs 4:2:0": [jpeg(np.asarray(p)) for p in photos], "photographs 4:4:4": [jpeg(np.asarray(p), subsampling=0) for p in photos],
             "500x375 crops 4:2:0 (benchmark)": crops}
 
 

@@ -76,14 +76,18 @@ def photo_files(folder, n, size=(500, 375), seed=0, jobs=1):
     parallel(_photo_chunk, folder, n, jobs, size, seed)
 
 
+def photo_crop(photos, i, size=(500, 375), seed=0):
+    "File i's picture: a random crop of one of `photos` (PIL images), resized to `size`; the same whichever process draws it."
+    rng, photo = np.random.default_rng((seed, i)), photos[i % len(photos)]
+    w, h = photo.size
+    cw, ch = int(w * rng.uniform(0.5, 1)), int(h * rng.uniform(0.5, 1))
+    left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    return photo.crop((left, top, left + cw, top + ch)).resize(size, Image.BILINEAR)
+
+
 def _photo_chunk(folder, indices, size, seed):
     photos = [Image.fromarray(f()).convert("RGB") for f in PHOTOS]
-    for i in indices:
-        rng, photo = np.random.default_rng((seed, i)), photos[i % len(photos)]  # file i's crop does not depend on `jobs`
-        w, h = photo.size
-        cw, ch = int(w * rng.uniform(0.5, 1)), int(h * rng.uniform(0.5, 1))
-        left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-        photo.crop((left, top, left + cw, top + ch)).resize(size, Image.BILINEAR).save(image_path(folder, i, f"photo_{i:05d}.jpg"), quality=90)
+    for i in indices: photo_crop(photos, i, size, seed).save(image_path(folder, i, f"photo_{i:05d}.jpg"), quality=90)
 
 
 def parallel(write, folder, n, jobs, *args):

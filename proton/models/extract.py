@@ -418,7 +418,7 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
             return x, failed, side.record_event() if cuda else None
     loaded = iter(loader)  # the workers start here, in this thread, before the two others
     with ThreadPoolExecutor(1) as writer, contextlib.closing(_ahead(zip(loaded, batches), stage)) as staged:
-        written = []
+        pending = []  # shard writes, in order
         for k in todo:
             (a, b), glob, patches, errors = ranges[k], [], [], []
             for _ in range(math.ceil((b - a) / batch_size)):
@@ -432,10 +432,9 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
                 bar.update(len(x))
             arrays = dict(image_embeddings=torch.cat(glob).numpy(), files=np.array(folder.files[a:b], dtype=str), errors=np.array(errors, dtype=str))
             if local: arrays["local_embeddings"] = torch.cat(patches).numpy()
-            written.append(writer.submit(_write_shard, shard_path(shards, k), arrays, header(k)))
-            for w in written:
-                if w.done(): w.result()  # a failed write stops the run now
-        for w in written: w.result()
+            pending.append(writer.submit(_write_shard, shard_path(shards, k), arrays, header(k)))
+            while pending and pending[0].done(): pending.pop(0).result()  # a failed write stops the run now
+        for w in pending: w.result()
 
 # %% ../../nbs/43_extract.ipynb
 def _decoding(vlm:VLM, # the model
@@ -525,8 +524,8 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
     if local and not vlm.has_local: raise ValueError(f"{vlm.name} has no local (patch) features; extract without local=True")
     on_device, decode, decode_fallback = _decoding(vlm, decode_on_device)
-    text_embeddings = prompt_ensemble(_at_precision(vlm, amp), prompts).numpy()
-    prompt_fields = encode_prompt_sets(_at_precision(vlm, amp), sets)
+    encoder = _at_precision(vlm, amp)
+    text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
     checkpoint_sha256 = None if checkpoint is None else file_sha256(checkpoint)
     run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None)
     ranges = shard_ranges(len(folder), shard_size)

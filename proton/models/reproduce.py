@@ -23,9 +23,8 @@ import torch
 
 from ..bench.cache import EmbeddingCache
 from ..bench.evaluation import PAPER_PROTOCOL, import_pandas
-from ..bench.experiments import experiment
+from ..bench.experiments import PAPER, REPORTED, experiment
 from ..bench.experiments.dynamics import dynamics, trajectories
-from ..bench.experiments import PAPER, REPORTED
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from . import ALIASES, load_vlm
 from .flair import REPRODUCTION_TEXT_POOLING

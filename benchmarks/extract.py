@@ -43,8 +43,8 @@ from skimage import data as skdata
 
 import proton.models.extract as ex
 from proton.models import VLM, load_vlm
-from proton.models.extract import (ImageFiles, JpegBytes, _assemble, _at_precision, _Preprocess, collate_jpeg_bytes,
-                                   default_workers, device_preprocessing, extract)
+from proton.models.extract import (ImageFiles, JpegBytes, _assemble, _at_precision, _Preprocess, as_float_batch, collate_images,
+                                   collate_jpeg_bytes, default_workers, device_preprocessing, extract)
 
 TARGET = 0.50  # the target: end to end (steady) at least half of forward only
 PHOTOS = (skdata.astronaut, skdata.chelsea, skdata.coffee, skdata.rocket, skdata.retina, skdata.immunohistochemistry)
@@ -147,13 +147,14 @@ def forward_only(vlm, folder, batch_size, n, warmup, amp):
 def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches):
     "Images per second of the loader alone, batches ready on the device, after the first `warmup_batches` batches."
     files, shape, cuda = listing(folder), (3, *vlm.image_size), vlm.device.type == "cuda"
-    dataset = (ImageFiles if on_device is None else JpegBytes)(folder, files, _Preprocess(vlm), shape)
+    pre = _Preprocess(vlm)
+    dataset = (ImageFiles if on_device is None else JpegBytes)(folder, files, pre, shape, pixels=pre.pixels)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=cuda,
-                                         collate_fn=None if on_device is None else collate_jpeg_bytes)
+                                         collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
     counted, t = 0, None
     for b, batch in enumerate(loader):
         index = list(range(b * batch_size, min(len(files), (b + 1) * batch_size)))
-        if on_device is None: x = batch[0].to(vlm.device, non_blocking=cuda)
+        if on_device is None: x = as_float_batch(batch[0].to(vlm.device, non_blocking=cuda))
         else: x, _ = _assemble(batch, index, dataset, on_device, vlm.device)
         if b + 1 == warmup_batches:  # the clock starts once the first batches are in
             sync(vlm.device)

@@ -8,6 +8,7 @@
 # Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_*.json.
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: nvJPEG parity with the CPU preprocessing,
+# pixels made floats on the device exactly as on the CPU,
 # then throughput at steady state (ViT-B/32 on 8,192 JPEG files, float32 and float16 autocast; FLAIR on 4,096 PNG files
 # stored at its input resolution without compression, as the data scripts' --resize 512 prepares them).
 # Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step that fails or
@@ -90,6 +91,15 @@ fi
 if want d; then
 # d. extraction: the device path's parity on CUDA (nvJPEG; prints the measured pixel difference), then throughput at steady state
 step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
+step "d. pixels on the device" 60 python3 -c '
+import numpy as np, torch
+from proton.models.vlm import pixels_to_float
+from proton.models.flair import flair_pixels, flair_preprocess
+p = torch.arange(256, dtype=torch.uint8, device="'$DEV'")
+exact = torch.equal(pixels_to_float(p).cpu(), torch.from_numpy(np.arange(256, dtype=np.float32) / 255))
+a = np.random.default_rng(0).integers(0, 256, (512, 384, 3), dtype=np.uint8)
+same = torch.equal(pixels_to_float(flair_pixels(a).to("'$DEV'")).cpu(), flair_preprocess(a))
+print(f"pixels_to_float on '$DEV' equals numpy float32 p / 255 for all 256 values: {exact}; FLAIR pixels there equal flair_preprocess: {same}")'
 step "d. decode parity by file kind" 60 python3 benchmarks/decode_parity.py --device $DEV --json "$OUT/decode_parity.json"
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
 step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --breakdown --json "$OUT/extract_vit_amp.json"

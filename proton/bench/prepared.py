@@ -123,17 +123,26 @@ def _read_prompt_sets(root:Path, classes:list):
     return {name: {c: list(prompts[c]) for c in classes} for name, prompts in sets.items()}
 
 # %% ../../nbs/44_data.ipynb
+def _walk(top:str, # a folder
+          rel:str): # its path relative to the prepared folder
+    "(relative path, `os.DirEntry`) of everything under `top`, as `Path.rglob('*')` lists it: links to folders are not followed."
+    try: entries = list(os.scandir(top))
+    except (FileNotFoundError, NotADirectoryError, PermissionError): return
+    for e in entries:
+        yield f"{rel}/{e.name}", e
+        if e.is_dir(follow_symlinks=False): yield from _walk(e.path, f"{rel}/{e.name}")
+
 def _images_on_disk(root:Path):
     "Relative paths of the image files under the image folders of `root`."
     found = []
     for folder in FOLDERS:
-        for p in (root / folder).rglob("*"):
-            rel = p.relative_to(root)
-            if p.is_symlink() and not p.exists(): raise ValueError(f"{rel.as_posix()} is a broken link in {root}: its target {p.readlink()} does not exist")
-            if (not p.is_file() or p.suffix.lower() not in IMAGE_SUFFIXES or p.name in SKIPPED_FILES
-                or any(part.startswith(".") for part in rel.parts)): continue
-            if len(rel.parts) != 3: raise ValueError(f"{p}: images must sit at <shift>/<class>/<file>, this one is {len(rel.parts) - 1} folders deep")
-            found.append(rel.as_posix())
+        for rel, e in _walk(str(root / folder), folder):  # a DirEntry knows its type from the listing: no stat per file
+            if e.is_symlink() and not os.path.exists(e.path): raise ValueError(f"{rel} is a broken link in {root}: its target {os.readlink(e.path)} does not exist")
+            parts = rel.split("/")
+            if (not e.is_file() or os.path.splitext(e.name)[1].lower() not in IMAGE_SUFFIXES or e.name in SKIPPED_FILES
+                or any(part.startswith(".") for part in parts)): continue
+            if len(parts) != 3: raise ValueError(f"{root / rel}: images must sit at <shift>/<class>/<file>, this one is {len(parts) - 1} folders deep")
+            found.append(rel)
     return found
 
 def _read_split(root:Path, on_disk:list):
@@ -163,7 +172,7 @@ def read_prepared(data_dir:str|os.PathLike): # a prepared folder, as written by 
     files = sorted(_images_on_disk(root))
     if not files: raise ValueError(f"no images in {root}: a prepared folder holds <folder>/<class>/<file> with folder in {', '.join(FOLDERS)} "
                                    "(see data_scripts/README.md)")
-    class_folders = {f: sorted({Path(p).parts[1] for p in files if p.startswith(f"{f}/")}) for f in ("id", FIT)}
+    class_folders = {f: sorted({p.split("/")[1] for p in files if p.startswith(f"{f}/")}) for f in ("id", FIT)}
     described = _read_classes(root)
     classes, names, prompts, name = described or (class_folders["id"], class_folders["id"], None, root.name)
     if not classes: raise ValueError(f"no ID images in {root}: expected {root}/id/<class>/<file>")
@@ -174,7 +183,7 @@ def read_prepared(data_dir:str|os.PathLike): # a prepared folder, as written by 
         if c not in class_folders["id"]: raise ValueError(f"missing class folder: classes.json lists class {c!r} but {root / 'id' / c} holds no images")
     prompt_sets = _read_prompt_sets(root, classes)
     sources = _read_split(root, files) or {}
-    shift = tuple(Path(f).parts[0] for f in files)
-    labels = np.array([classes.index(Path(f).parts[1]) if s in ("id", FIT) else -1 for f, s in zip(files, shift)], dtype=np.int64)
+    shift = tuple(f.split("/")[0] for f in files)
+    labels = np.array([classes.index(f.split("/")[1]) if s in ("id", FIT) else -1 for f, s in zip(files, shift)], dtype=np.int64)
     return PreparedFolder(root=root, name=name, classes=tuple(classes), class_names=tuple(names), prompts=prompts, prompt_sets=prompt_sets,
                           files=tuple(files), shift=shift, labels=labels, sources=tuple(sources.get(f, "") for f in files))

@@ -4,10 +4,10 @@
 
 # %% auto 0
 __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'SHARD_FORMAT', 'read_prompt_file', 'resolve_prompts',
-           'tag_prompts', 'resolve_prompt_sets', 'encode_prompt_sets', 'ImageFiles', 'is_jpeg', 'DevicePreprocess',
-           'decode_jpegs', 'device_preprocessing', 'JpegBytes', 'collate_jpeg_bytes', 'shard_ranges', 'shard_path',
-           'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256', 'default_workers', 'extract',
-           'parse_prompts', 'extract_main']
+           'tag_prompts', 'resolve_prompt_sets', 'encode_prompt_sets', 'ImageFiles', 'stack_images', 'collate_images',
+           'as_float_batch', 'is_jpeg', 'DevicePreprocess', 'decode_jpegs', 'device_preprocessing', 'JpegBytes',
+           'collate_jpeg_bytes', 'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard',
+           'describe_preprocessing', 'file_sha256', 'default_workers', 'extract', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -34,7 +34,7 @@ import torch
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
 from . import VLM, load_vlm, prompt_ensemble
-from .vlm import read_image
+from .vlm import pixels_to_float, read_image
 
 # %% ../../nbs/43_extract.ipynb
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts), or text with one prompt per line
@@ -117,6 +117,7 @@ class _Preprocess:
         for k, v in vars(vlm).items():
             if isinstance(v, torch.nn.Module) and any(True for _ in v.parameters()): setattr(self.vlm, k, None)
     def __call__(self, image): return self.vlm.preprocess(image)
+    def pixels(self, image): return self.vlm.pixels(image)
 
 class ImageFiles(torch.utils.data.Dataset):
     "Image files, decoded and preprocessed when they are read; an unreadable one gives a zero image and its error, or raises."
@@ -124,16 +125,35 @@ class ImageFiles(torch.utils.data.Dataset):
                  files:list, # N relative paths
                  preprocess, # one PIL image -> (3, H, W) float tensor
                  shape:tuple, # (3, H, W), the shape `preprocess` returns
-                 strict:bool=False): # raise on an unreadable file instead of reporting it
-        self.root, self.files, self.preprocess, self.shape, self.strict = Path(root), list(files), preprocess, tuple(shape), strict
+                 strict:bool=False, # raise on an unreadable file instead of reporting it
+                 pixels=None): # one PIL image -> (3, H, W) uint8 tensor p with `pixels_to_float(p)` its preprocessed image, or None
+        self.root, self.files, self.preprocess, self.shape, self.strict, self.pixels = Path(root), list(files), preprocess, tuple(shape), strict, pixels
     def __len__(self): return len(self.files)
+    def _prepare(self, image):
+        "The image's uint8 pixels where they say it all, else its preprocessed float tensor."
+        p = None if self.pixels is None else self.pixels(image)
+        return self.preprocess(image) if p is None else p
     def __getitem__(self, i:int):
-        "(image tensor, "" ) for a readable file; (zeros, the error) for one that is not, unless `strict`."
+        "(image tensor, "" ) for a readable file, uint8 pixels or floats; (zeros, the error) for one that is not, unless `strict`."
         path = self.root / self.files[i]
-        try: return self.preprocess(read_image(path)), ""
+        try: return self._prepare(read_image(path)), ""
         except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, DecompressionBombError, ...
             if self.strict: raise ValueError(f"cannot read image {path}: {e}") from e
             return torch.zeros(self.shape), f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+# %% ../../nbs/43_extract.ipynb
+def stack_images(images:list): # (3, H, W) tensors: uint8 pixels or preprocessed floats
+    "One (B, 3, H, W) batch: uint8 when every image is pixels, else float32 with the pixels made floats."
+    if all(x.dtype == torch.uint8 for x in images): return torch.stack(images)
+    return torch.stack([pixels_to_float(x) if x.dtype == torch.uint8 else x for x in images])
+
+def collate_images(items:list): # `ImageFiles` items
+    "(batch of images, errors) as the DataLoader's default collation gives, but pixel batches kept uint8."
+    return stack_images([x for x, _ in items]), [e for _, e in items]
+
+def as_float_batch(x:torch.Tensor): # a batch from `stack_images`, on any device
+    "The batch as the model's float input: pixels made floats there."
+    return pixels_to_float(x) if x.dtype == torch.uint8 else x
 
 # %% ../../nbs/43_extract.ipynb
 JPEG_SUFFIXES = (".jpg", ".jpeg")  # the files the device may decode, by name, compared case-insensitively
@@ -273,7 +293,7 @@ def collate_jpeg_bytes(items:list): # `JpegBytes` items
     "One batch: the images the workers decoded, stacked; the JPEG files joined in one byte tensor, with their sizes; where each goes; every item's error."
     decoded, jpeg_at = [j for j, it in enumerate(items) if it[0] is not None], [j for j, it in enumerate(items) if it[1] is not None]
     jpegs = [items[j][1] for j in jpeg_at]  # one tensor crosses from the worker, not one per file
-    return dict(images=torch.stack([items[j][0] for j in decoded]) if decoded else torch.zeros(0), decoded=decoded,
+    return dict(images=stack_images([items[j][0] for j in decoded]) if decoded else torch.zeros(0), decoded=decoded,
                 jpeg_bytes=torch.cat(jpegs) if jpegs else torch.zeros(0, dtype=torch.uint8), jpeg_sizes=[len(r) for r in jpegs],
                 jpeg_at=jpeg_at, errors=[it[2] for it in items])
 
@@ -284,14 +304,14 @@ def _assemble(batch:dict, # from `collate_jpeg_bytes`
               device): # where the model runs
     "The batch's (B, 3, H, W) images on `device` and its B errors: JPEGs decoded and preprocessed there, the rest copied from the workers."
     x, errors = torch.empty((len(index), *files.shape), device=device), list(batch["errors"])
-    if batch["decoded"]: x[batch["decoded"]] = batch["images"].to(device, non_blocking=True)
+    if batch["decoded"]: x[batch["decoded"]] = as_float_batch(batch["images"].to(device, non_blocking=True))
     decoded = decode_jpegs(list(torch.split(batch["jpeg_bytes"], batch["jpeg_sizes"])), device)
     good = [j for j, im in enumerate(decoded) if not isinstance(im, str)]
     if good: x[[batch["jpeg_at"][j] for j in good]] = preprocess([decoded[j] for j in good])
     for j in sorted(set(range(len(decoded))) - set(good)):  # what the device cannot decode, PIL decodes or reports, as on the CPU path
         at = batch["jpeg_at"][j]
         image, errors[at] = ImageFiles.__getitem__(files, index[at])
-        x[at] = image.to(device)
+        x[at] = as_float_batch(image.to(device))
     return x, errors
 
 # %% ../../nbs/43_extract.ipynb
@@ -353,7 +373,8 @@ def file_sha256(path:str|os.PathLike): # a file, or a folder (its files' hashes,
 def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False):
     "SHA-256 of everything that determines the numbers in the shards."
     from proton import __version__
-    stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [(folder.root / f).stat()]]
+    root = str(folder.root)
+    stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [os.stat(os.path.join(root, f))]]
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, dim=vlm.dim, image_size=list(vlm.image_size),
                preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, amp=amp,
                decode="device" if decode_on_device else "workers", local=local, shard_size=shard_size, library_version=__version__, files=stats)
@@ -406,14 +427,15 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
     "Compute and write the shards `todo`: workers decode, a thread stages batches on the device, the model encodes, a thread writes."
     cuda, encoder, shape = vlm.device.type == "cuda", _at_precision(vlm, amp), (3, *vlm.image_size)
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
-    files = (ImageFiles if on_device is None else JpegBytes)(folder.root, folder.files, _Preprocess(vlm), shape, strict)
+    pre = _Preprocess(vlm)
+    files = (ImageFiles if on_device is None else JpegBytes)(folder.root, folder.files, pre, shape, strict, pre.pixels)
     loader = torch.utils.data.DataLoader(files, batch_sampler=batches, num_workers=num_workers, pin_memory=cuda,
-                                         collate_fn=None if on_device is None else collate_jpeg_bytes)
+                                         collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
     side = torch.cuda.Stream(vlm.device) if cuda else None
     def stage(item):  # in the background thread: the batch on the device, and an event that says when it is there
         batch, index = item
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            if on_device is None: x, failed = batch[0].to(vlm.device, non_blocking=cuda), list(batch[1])
+            if on_device is None: x, failed = as_float_batch(batch[0].to(vlm.device, non_blocking=cuda)), list(batch[1])
             else: x, failed = _assemble(batch, index, files, on_device, vlm.device)
             return x, failed, side.record_event() if cuda else None
     loaded = iter(loader)  # the workers start here, in this thread, before the two others
@@ -430,8 +452,8 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
                 glob.append(encoder.encode_images(x, batch_size=len(x)))
                 if local: patches.append(encoder.encode_local(x, batch_size=len(x)))
                 bar.update(len(x))
-            arrays = dict(image_embeddings=torch.cat(glob).numpy(), files=np.array(folder.files[a:b], dtype=str), errors=np.array(errors, dtype=str))
-            if local: arrays["local_embeddings"] = torch.cat(patches).numpy()
+            arrays = dict(image_embeddings=np.concatenate([g.numpy() for g in glob]), files=np.array(folder.files[a:b], dtype=str), errors=np.array(errors, dtype=str))
+            if local: arrays["local_embeddings"] = np.concatenate([p.numpy() for p in patches])
             pending.append(writer.submit(_write_shard, shard_path(shards, k), arrays, header(k)))
             while pending and pending[0].done(): pending.pop(0).result()  # a failed write stops the run now
         for w in pending: w.result()

@@ -6,7 +6,8 @@
 __all__ = ['FLAIR_TEMPLATE', 'FLAIR_IMAGE_SIZE', 'FLAIR_DIM', 'FLAIR_MAX_TOKENS', 'BIO_CLINICAL_BERT', 'FLAIR_WEIGHTS_FILE',
            'FLAIR_WEIGHTS_URL', 'FLAIR_TEXT_POOLINGS', 'REPRODUCTION_TEXT_POOLING', 'FLAIR_OPTIONAL_KEYS',
            'bio_clinical_bert_config', 'FlairProjection', 'FlairVision', 'check_text_pooling', 'FlairText', 'FlairNet',
-           'random_flair', 'flair_preprocess', 'load_flair_tokenizer', 'FLAIR', 'flair_prompt_ensemble', 'load_flair']
+           'random_flair', 'flair_preprocess', 'flair_pixels', 'load_flair_tokenizer', 'FLAIR', 'flair_prompt_ensemble',
+           'load_flair']
 
 # %% ../../nbs/41_flair.ipynb
 import importlib
@@ -132,6 +133,15 @@ def flair_preprocess(image, # a PIL image, or an (H, W) or (H, W, 3) uint8 array
     return F.pad(x, (0, size - w, 0, size - h))[0]
 
 # %% ../../nbs/41_flair.ipynb
+def flair_pixels(image, # a PIL image, or an (H, W) or (H, W, 3) uint8 array
+                 size:int=FLAIR_IMAGE_SIZE): # side of the square canvas
+    "(3, size, size) uint8 tensor p with `flair_preprocess(image, size)` exactly `pixels_to_float(p)`; None when the image must be resized."
+    x = np.array(as_rgb_image(image))  # a writable copy: PIL's buffer is read-only
+    h, w = x.shape[:2]
+    if _content_size(h, w, size) != (h, w): return None
+    return F.pad(torch.from_numpy(x).permute(2, 0, 1), (0, size - w, 0, size - h))
+
+# %% ../../nbs/41_flair.ipynb
 def _reachable(host:str, # a host name
                timeout:float=3.): # seconds to wait for the connection
     "Whether `host` accepts HTTPS connections."
@@ -178,6 +188,7 @@ class FLAIR(VLM):
     def __repr__(self): return f"{super().__repr__()[:-1]}, text_pooling={self.text_pooling!r})"
 
     def preprocess(self, image): return flair_preprocess(image, self.image_size[0])
+    def pixels(self, image): return flair_pixels(image, self.image_size[0])
     def _image_features(self, batch): return self.net.vision_model(batch)
 
     def _text_features(self, prompts):

@@ -4,8 +4,8 @@
 
 # %% auto 0
 __all__ = ['MAX_LOGIT_SCALE', 'DICOM_SUFFIXES', 'QUILTNET', 'temperature_from_logit_scale', 'to_8_bits', 'as_rgb_image',
-           'dicom_to_8_bits', 'read_image', 'VLM', 'class_prompts', 'prompt_ensemble', 'load_weights',
-           'load_state_strict', 'OpenClipVLM', 'vit_patch_features', 'load_open_clip', 'load_quiltnet',
+           'dicom_to_8_bits', 'read_image', 'VLM', 'pixels_to_float', 'class_prompts', 'prompt_ensemble',
+           'load_weights', 'load_state_strict', 'OpenClipVLM', 'vit_patch_features', 'load_open_clip', 'load_quiltnet',
            'load_open_clip_spec']
 
 # %% ../../nbs/40_vlm.ipynb
@@ -117,6 +117,9 @@ class VLM:
     def preprocess(self, image): # one PIL image or uint8 array
         "One image as a (3, H, W) float tensor, exactly as the model was trained to see it."
         raise NotImplementedError(f"{type(self).__name__} must implement preprocess")
+    def pixels(self, image): # one PIL image or uint8 array
+        "(3, H, W) uint8 tensor p whose `pixels_to_float(p)` is exactly `preprocess(image)`, where the preprocessing is only that; else None."
+        return None
     def _image_features(self, batch:Tensor): # (B, 3, H, W) preprocessed images on `device`
         "(B, d) unnormalised image features."
         raise NotImplementedError(f"{type(self).__name__} must implement _image_features")
@@ -131,6 +134,11 @@ class VLM:
     def has_local(self):
         "Whether this backend provides `encode_local`."
         return type(self)._local_features is not VLM._local_features
+
+# %% ../../nbs/40_vlm.ipynb
+def pixels_to_float(p:Tensor): # uint8 pixels, any shape, on any device
+    "float32 p / 255 as numpy computes it (correctly rounded), on p's device."
+    return p.float().div_(torch.full((), 255., device=p.device))
 
 # %% ../../nbs/40_vlm.ipynb
 def _image_batches(self:VLM, images, batch_size:int):
@@ -149,13 +157,17 @@ def _image_batches(self:VLM, images, batch_size:int):
         yield torch.stack([self.preprocess(im) for im in images[i:i + batch_size]]).to(self.device)
 
 def _encode(self:VLM, hook, batches, what:str):
-    "Run `hook` over `batches` without gradients; float32 CPU features, L2-normalised along the last axis."
-    out = []
+    "Run `hook` over `batches` without gradients; float32 CPU features, L2-normalised along the last axis where they were computed."
+    out, start = [], 0
     with torch.inference_mode(), torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
-        for b in batches: out.append(hook(b).float().cpu())
+        for b in batches:
+            f = hook(b).float()
+            rows = f.reshape(-1, f.shape[-1])
+            name = f"{self.name} {what}" + (f" (rows counted from {start})" if start else "")
+            out.append(as_unit_rows(rows, dim=self.dim, name=name).reshape(f.shape).cpu())
+            start += len(rows)
     if not out: return torch.zeros(0, self.dim)
-    feats = torch.cat(out)
-    return as_unit_rows(feats.reshape(-1, feats.shape[-1]), dim=self.dim, name=f"{self.name} {what}").reshape(feats.shape)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 VLM._image_batches, VLM._encode = _image_batches, _encode
 

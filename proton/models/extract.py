@@ -431,7 +431,7 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
     files = (ImageFiles if on_device is None else JpegBytes)(folder.root, folder.files, pre, shape, strict, pre.pixels)
     loader = torch.utils.data.DataLoader(files, batch_sampler=batches, num_workers=num_workers, pin_memory=cuda,
                                          collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
-    side = torch.cuda.Stream(vlm.device) if cuda else None
+    side, compute = (torch.cuda.Stream(vlm.device), torch.cuda.Stream(vlm.device)) if cuda else (None, None)
     def stage(item):  # in the background thread: the batch on the device, and an event that says when it is there
         batch, index = item
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
@@ -439,15 +439,16 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
             else: x, failed = _assemble(batch, index, files, on_device, vlm.device)
             return x, failed, side.record_event() if cuda else None
     loaded = iter(loader)  # the workers start here, in this thread, before the two others
-    with ThreadPoolExecutor(1) as writer, contextlib.closing(_ahead(zip(loaded, batches), stage)) as staged:
+    with ThreadPoolExecutor(1) as writer, contextlib.closing(_ahead(zip(loaded, batches), stage)) as staged, \
+         torch.cuda.stream(compute) if cuda else contextlib.nullcontext():  # not the legacy default stream, which waits on others
         pending = []  # shard writes, in order
         for k in todo:
             (a, b), glob, patches, errors = ranges[k], [], [], []
             for _ in range(math.ceil((b - a) / batch_size)):
                 x, failed, there = next(staged)
                 if cuda:
-                    torch.cuda.current_stream(vlm.device).wait_event(there)
-                    x.record_stream(torch.cuda.current_stream(vlm.device))  # its memory is not reused before the model is done with it
+                    compute.wait_event(there)
+                    x.record_stream(compute)  # its memory is not reused before the model is done with it
                 errors += failed
                 glob.append(encoder.encode_images(x, batch_size=len(x)))
                 if local: patches.append(encoder.encode_local(x, batch_size=len(x)))

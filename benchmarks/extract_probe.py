@@ -215,7 +215,7 @@ def main(argv=None):
     result = dict(device=name, n=args.n, batch_size=args.batch_size, workers=args.workers, amp=amp)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch, "vit")
-        photo_files(folder, args.n, jobs=args.workers)
+        photo_files(folder, args.n, jobs=max(1, args.workers))
         vlm = load_vlm("open_clip:ViT-B-32/none", device=device)
         pre, why = device_preprocessing(vlm)
         assert pre is not None, why

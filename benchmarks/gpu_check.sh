@@ -10,8 +10,10 @@
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: nvJPEG parity with the CPU preprocessing,
 # pixels made floats on the device exactly as on the CPU,
 # then throughput at steady state (ViT-B/32 on 8,192 JPEG files, float32 and float16 autocast; FLAIR on 4,096 PNG files
-# stored at its input resolution without compression, as the data scripts' --resize 512 prepares them).
-# Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step that fails or
+# stored at its input resolution without compression, as the data scripts' --resize 512 prepares them), and
+# benchmarks/extract_probe.py: each stage alone, and copies of the loop with one change each.
+# Every step has its own timeout, capped so the whole script ends within BUDGET seconds (keep BUDGET at 60 or more:
+# below that, the install steps themselves are skipped); a step that fails or
 # times out is logged and the next one runs.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -104,6 +106,7 @@ step "d. decode parity by file kind" 60 python3 benchmarks/decode_parity.py --de
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
 step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --breakdown --json "$OUT/extract_vit_amp.json"
 step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"
+step "d. probe" 120 python3 benchmarks/extract_probe.py --json "$OUT/probe_amp.json"
 fi
 
 echo "=== done in ${SECONDS}s; files: $(cd "$OUT" && ls | tr '\n' ' ')" | tee -a "$LOG"

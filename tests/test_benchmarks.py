@@ -1,4 +1,4 @@
-"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py` and `benchmarks/decode_parity.py`.
+"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py` and `benchmarks/extract_probe.py`.
 
 Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written."""
 import json
@@ -40,3 +40,16 @@ def test_decode_parity_on_the_cpu_is_exact(tmp_path):
     assert len(rows) == 6
     for kind, r in rows.items():  # the CPU decodes with libjpeg-turbo on both sides: the same pixels, resized by the same code
         assert r["decode"]["max"] == 0 and r["resize"]["max"] == 0 and r["total"]["mean"] < 0.01, kind
+
+
+def test_extract_probe_runs_every_variant(tmp_path):
+    out = tmp_path / "probe.json"
+    run("extract_probe.py", "--device", "cpu", "--n", "16", "--batch-size", "4", "--workers", "0", "--skip", "1", "--fp32",
+        "--profile", "--out-dir", str(tmp_path), "--json", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["stages"]) == {"decode", "preprocess", "assemble", "forward"}
+    assert all(s["alone_ms"] > 0 and s["host_ms_under_load"] > 0 for s in result["stages"].values())
+    rates = result["pipelines"]
+    assert {"as_is", "compute_stream", "lag", "async_stage", "one_thread", "main_loop_alone"} <= set(rates)
+    assert all(isinstance(r, float) and math.isfinite(r) and r > 0 for r in rates.values()), rates  # no variant failed
+    assert "aten::" in (tmp_path / "probe_profile.txt").read_text() and (tmp_path / "probe_trace.json.gz").stat().st_size > 0

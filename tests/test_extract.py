@@ -436,3 +436,21 @@ def test_torchrun_with_two_gloo_processes_gives_the_single_process_cache(data, t
     assert two.stdout.count("wrote ") == 1  # rank 0 reports for both
     a, b = EmbeddingCache.load(tmp_path / "one.npz"), EmbeddingCache.load(tmp_path / "two.npz")
     assert a.content_hash() == b.content_hash() and not (tmp_path / "two.npz.shards").exists()
+
+
+def test_flair_images_at_its_input_size_cross_as_pixels_and_embed_as_the_model_does(tmp_path, monkeypatch):
+    from proton.models.flair import FLAIR, load_flair_tokenizer, random_flair
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    (vocab / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "glaucoma"]) + "\n")
+    flair, rng, root = FLAIR(random_flair(0), load_flair_tokenizer(vocab)), np.random.default_rng(0), tmp_path / "prepared"
+    for i, shape in enumerate([(512, 512, 3), (512, 400, 3), (300, 200, 3), (512, 512, 3)]):  # the third one needs resizing
+        path = root / "id" / ("normal" if i % 2 else "glaucoma") / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(path)
+    dtypes, collate = [], ex.collate_images
+    monkeypatch.setattr(ex, "collate_images", lambda items: (dtypes.append((out := collate(items))[0].dtype), out)[1])
+    cache = extract(flair, root, batch_size=2, num_workers=0, progress=False)
+    assert dtypes == [torch.float32, torch.uint8]  # files 0 and 2 (glaucoma; 2 needs resizing), then 1 and 3 (normal): only pixels
+    direct = flair.encode_images([Image.open(root / f) for f in cache.source])
+    assert np.abs(cache.image_embeddings - direct.numpy()).max() < 1e-5

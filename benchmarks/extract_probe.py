@@ -28,15 +28,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from extract import listing, photo_files  # noqa: E402  (benchmarks/extract.py)
+from extract import listing, photo_files, sync  # noqa: E402  (benchmarks/extract.py)
 
 from proton.models import load_vlm  # noqa: E402
 from proton.models.extract import (ImageFiles, JpegBytes, _ahead, _assemble, _at_precision, _Preprocess,  # noqa: E402
                                    collate_jpeg_bytes, decode_jpegs, default_workers, device_preprocessing)
-
-
-def sync(device):
-    if device.type == "cuda": torch.cuda.synchronize(device)
 
 
 def new_stream(device, priority=0):

@@ -4,8 +4,10 @@ the pipeline with one change at a time.
 Run on a GPU machine: `python benchmarks/extract_probe.py --json probe.json` (ViT-B/32, random weights, 8,192 JPEG files of
 500x375, float16 autocast unless --fp32). Every number is measured in this run; rates are images/s over the batches after the
 first --skip ones, so that starting the workers and the first kernels are not counted.
-- stages alone: one batch's decoding (nvJPEG), preprocessing (resize, crop, normalise), both as `_assemble` does them, and the
-  forward pass, each timed with the device synchronised, median of several;
+- stages alone: one batch's decoding (nvJPEG), preprocessing (resize, crop, normalise), the same preprocessing with torch's
+  antialiased interpolation kernels in place of the library's matrix products (its code before they replaced them, for the
+  ratio), decoding and preprocessing as `_assemble` does them, and the forward pass, each timed with the device synchronised,
+  median of several;
 - stages under load: the same while a forward pass of another batch runs on another stream, started just before;
 - pipelines: a copy of `_embed_shards`' loop (workers read bytes, a thread stages batches on a side stream, the main thread
   encodes), first as it is, then with one change each: the forward on its own stream; no host synchronisation per batch
@@ -32,7 +34,7 @@ from extract import listing, photo_files, sync  # noqa: E402  (benchmarks/extrac
 
 from proton.models import load_vlm  # noqa: E402
 from proton.models.extract import (ImageFiles, JpegBytes, _ahead, _assemble, _at_precision, _Preprocess,  # noqa: E402
-                                   collate_jpeg_bytes, decode_jpegs, default_workers, device_preprocessing)
+                                   _resized_size, collate_jpeg_bytes, decode_jpegs, default_workers, device_preprocessing)
 
 
 def new_stream(device, priority=0):
@@ -68,6 +70,21 @@ def one_batch(dataset, batch_size):
     return collate_jpeg_bytes([dataset[i] for i in range(batch_size)]), list(range(batch_size))
 
 
+def by_interpolate(pre, images):
+    "`pre(images)` for images of one size, resized by torch's antialiased interpolation kernels: the baseline of its matrix products."
+    from torchvision.transforms.functional import center_crop
+    x = torch.stack(images).float()
+    for step, *args in pre.geometry:
+        if step == "crop": x = center_crop(x, list(args[0]))
+        else:
+            size, max_size, mode = args
+            h, w = _resized_size(*x.shape[-2:], size, max_size)
+            for shape in ((x.shape[-2], w), (h, w)):  # width first, then height, rounded after each, as PIL does
+                x = torch.nn.functional.interpolate(x, size=shape, mode=mode, antialias=True, align_corners=False).clamp_(0, 255).round_()
+    mean, std = (torch.tensor(v, device=x.device)[:, None, None] for v in (pre.mean, pre.std))
+    return (x / 255 - mean) / std
+
+
 def stage_costs(vlm, dataset, pre, batch_size, amp):
     "Seconds per batch of each stage alone, and while a forward pass runs on another stream."
     device, encoder = vlm.device, _at_precision(vlm, amp)
@@ -80,7 +97,11 @@ def stage_costs(vlm, dataset, pre, batch_size, amp):
         with on(busy), precision(device, amp):
             for _ in range(3): vlm._image_features(x)
     busy, side = new_stream(device), new_stream(device)
+    gap = ((by_interpolate(pre, decoded) - x) * torch.tensor(pre.std, device=device)[:, None, None]).abs().amax().item() * 255
+    print(f"  the two preprocessings differ by at most {gap:.3f}/255", flush=True)
+    assert gap < 1.01, gap  # a tie rounded the other way, at most
     stages = dict(decode=lambda: decode_jpegs(raw, device), preprocess=lambda: pre(decoded),
+                  preprocess_interpolate=lambda: by_interpolate(pre, decoded),
                   assemble=lambda: _assemble(batch, index, dataset, pre, device), forward=forward)
     out = {}
     for name, f in stages.items():
@@ -98,7 +119,7 @@ def stage_costs(vlm, dataset, pre, batch_size, amp):
             sync(device)
         busy_alone = timed(forward_async, device)
         out[name] = dict(alone_ms=alone * 1e3, host_ms_under_load=statistics.median(loaded_host) * 1e3, load_ms=busy_alone * 1e3)
-        print(f"  {name:<11} alone {alone * 1e3:7.2f} ms; its call's host time while 3 forward passes ({busy_alone * 1e3:.1f} ms) run "
+        print(f"  {name:<22} alone {alone * 1e3:7.2f} ms; its call's host time while 3 forward passes ({busy_alone * 1e3:.1f} ms) run "
               f"on another stream: {statistics.median(loaded_host) * 1e3:7.2f} ms", flush=True)
     return out
 

@@ -47,7 +47,7 @@ def test_extract_probe_runs_every_variant(tmp_path):
     run("extract_probe.py", "--device", "cpu", "--n", "16", "--batch-size", "4", "--workers", "0", "--skip", "1", "--fp32",
         "--profile", "--out-dir", str(tmp_path), "--json", str(out))
     result = json.loads(out.read_text())
-    assert set(result["stages"]) == {"decode", "preprocess", "assemble", "forward"}
+    assert set(result["stages"]) == {"decode", "preprocess", "preprocess_interpolate", "assemble", "forward"}
     assert all(s["alone_ms"] > 0 and s["host_ms_under_load"] > 0 for s in result["stages"].values())
     rates = result["pipelines"]
     assert {"as_is", "compute_stream", "lag", "async_stage", "one_thread", "main_loop_alone"} <= set(rates)

@@ -13,6 +13,7 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'SHARD_FORMAT',
 import argparse
 import contextlib
 import copy
+import functools
 import hashlib
 import io
 import json
@@ -172,6 +173,24 @@ def _resized_size(h:int, w:int, size, max_size):
         return (new_short, new_long) if h <= w else (new_long, new_short)
     return tuple(size)
 
+def _window(n:int, # pixels along an axis
+            crop:int|None): # pixels the centre crop keeps along it, or None
+    "(start, stop) of torchvision's centre crop along the axis; all n pixels when there is no crop or it does not fit (it pads)."
+    if crop is None or crop > n: return 0, n
+    start = int(round((n - crop) / 2.0))
+    return start, start + crop
+
+@functools.lru_cache(maxsize=256)
+def _resize_weights(n_in:int, # pixels before the resize
+                    n_out:int, # pixels after
+                    mode:str, # "bilinear" or "bicubic"
+                    start:int, stop:int, # the outputs wanted
+                    device): # where the matrix goes
+    "(first, M): `x[first:first + len(M)] @ M` is torch's antialiased resize of x, outputs start to stop; M has only the rows of inputs they use."
+    m = torch.nn.functional.interpolate(torch.eye(n_in)[None, None], size=(n_in, n_out), mode=mode, antialias=True, align_corners=False)[0, 0, :, start:stop]
+    used = m.any(1).nonzero()[:, 0]  # row i of the identity is the image that is 1 at input i: its resize is input i's weights
+    return int(used[0]), m[int(used[0]):int(used[-1]) + 1].contiguous().to(device)
+
 class DevicePreprocess:
     "The model's resize, centre crop, to-tensor and normalisation as tensor ops on decoded uint8 images, on any device."
     def __init__(self, geometry:list, # ("resize", size, max_size, mode) and ("crop", (h, w)) steps, in the transform's order
@@ -180,18 +199,25 @@ class DevicePreprocess:
                  image_size:tuple): # (H, W) the steps end with
         self.geometry, self.mean, self.std, self.image_size = geometry, mean, std, tuple(image_size)
 
-    def _resize(self, x, size, max_size, mode):
-        "Resize a (B, 3, h, w) float batch of 0..255 integers as PIL does: width first, then height, rounding to 8 bits after each."
+    def _resize(self, x, size, max_size, mode, crop=None):
+        "Resize a (B, 3, h, w) float batch of 0..255 integers as PIL does, width first, then height, rounding to 8 bits after each; only the centre `crop` (h, w) is computed."
         h, w = _resized_size(*x.shape[-2:], size, max_size)
-        if w != x.shape[-1]: x = torch.nn.functional.interpolate(x, size=(x.shape[-2], w), mode=mode, antialias=True, align_corners=False).clamp_(0, 255).round_()
-        if h != x.shape[-2]: x = torch.nn.functional.interpolate(x, size=(h, w), mode=mode, antialias=True, align_corners=False).clamp_(0, 255).round_()
-        return x
+        (top, bottom), (left, right) = _window(h, crop and crop[0]), _window(w, crop and crop[1])
+        if w == x.shape[-1]: x = x[..., left:right]
+        else:
+            first, m = _resize_weights(x.shape[-1], w, mode, left, right, x.device)
+            x = (x[..., first:first + len(m)] @ m).clamp_(0, 255).round_()
+        if h == x.shape[-2]: return x[..., top:bottom, :]
+        first, m = _resize_weights(x.shape[-2], h, mode, top, bottom, x.device)
+        return (m.T @ x[..., first:first + len(m), :]).clamp_(0, 255).round_()
 
     def _batch(self, x):
         "(B, 3, H, W) float images of a (B, 3, h, w) uint8 batch of one size."
         from torchvision.transforms.functional import center_crop
-        x = x.float()
-        for step, *args in self.geometry: x = self._resize(x, *args) if step == "resize" else center_crop(x, list(args[0]))
+        x, steps = x.float(), self.geometry
+        for k, (step, *args) in enumerate(steps):
+            if step == "crop": x = center_crop(x, list(args[0]))  # nothing left to do when the resize before it computed the crop only
+            else: x = self._resize(x, *args, steps[k + 1][1] if k + 1 < len(steps) and steps[k + 1][0] == "crop" else None)
         x = x / 255
         if self.mean is None: return x
         mean, std = (torch.tensor(v, dtype=x.dtype, device=x.device)[:, None, None] for v in (self.mean, self.std))

@@ -184,3 +184,39 @@ def test_a_corrupt_jpeg_is_reported_as_on_the_cpu_path(vlm, tmp_path):
     for on_device in (False, True):
         with pytest.raises(ValueError, match="cannot read image .*cut.jpg"):
             extract(vlm, root, decode_on_device=on_device, strict=True, **RUN)
+
+
+def staged(vlm, folder):
+    """Every file of the folder as one pinned batch from the workers, its JPEG files decoded, and the device's preprocessing."""
+    from proton.bench.prepared import read_prepared
+    pre, _ = ex.device_preprocessing(vlm)
+    files = ex.JpegBytes(folder, read_prepared(folder).files, ex._Preprocess(vlm), (3, *vlm.image_size))
+    index = list(range(len(files)))
+    batch = ex.collate_jpeg_bytes([files[i] for i in index])
+    if vlm.device.type == "cuda": batch["images"] = batch["images"].pin_memory()  # as the DataLoader pins it
+    decoded = ex.decode_jpegs(list(torch.split(batch["jpeg_bytes"], batch["jpeg_sizes"])), vlm.device)
+    return pre, files, index, batch, decoded
+
+
+def test_a_mixed_batch_and_a_jpeg_batch_are_assembled_as_each_image_alone(vlm, folder, monkeypatch):
+    pre, files, index, batch, decoded = staged(vlm, folder)
+    monkeypatch.setattr(ex, "decode_jpegs", lambda raw, device: decoded)
+    x, errors = ex._assemble(batch, index, files, pre, vlm.device)  # PNG files from the workers between JPEG files of several sizes
+    assert errors == [""] * len(index) and batch["decoded"] and batch["jpeg_at"]
+    for j, at in enumerate(batch["jpeg_at"]): torch.testing.assert_close(x[at], pre([decoded[j]])[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(x[batch["decoded"]].cpu(), batch["images"], rtol=0, atol=0)  # the workers' floats, in their places
+    jpegs = {k: v for k, v in batch.items()} | dict(decoded=[], images=torch.zeros(0), jpeg_at=list(range(len(decoded))), errors=[""] * len(decoded))
+    y, _ = ex._assemble(jpegs, list(range(len(decoded))), files, pre, vlm.device)  # only JPEG files: the preprocessing's own tensor
+    torch.testing.assert_close(y, pre(decoded), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the host waits for a CUDA device; on the CPU there is nothing to wait for")
+def test_staging_a_batch_does_not_make_the_host_wait_for_the_device(vlm, folder, monkeypatch):
+    pre, files, index, batch, decoded = staged(vlm, folder)
+    monkeypatch.setattr(ex, "decode_jpegs", lambda raw, device: decoded)  # nvJPEG waits for its own work: nothing else may wait
+    ex._assemble(batch, index, files, pre, vlm.device)  # first: the resize matrices and normalisation constants go to the device once
+    torch.cuda.set_sync_debug_mode("error")  # any operation that makes the host wait for the device now raises
+    try:
+        ex._assemble(batch, index, files, pre, vlm.device)
+        pre(decoded)
+    finally: torch.cuda.set_sync_debug_mode(0)

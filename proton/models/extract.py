@@ -191,6 +191,19 @@ def _resize_weights(n_in:int, # pixels before the resize
     used = m.any(1).nonzero()[:, 0]  # row i of the identity is the image that is 1 at input i: its resize is input i's weights
     return int(used[0]), m[int(used[0]):int(used[-1]) + 1].contiguous().to(device)
 
+@functools.lru_cache(maxsize=16)
+def _per_channel(values:tuple, # one number per channel
+                 device): # where they go
+    "(C, 1, 1) float32 tensor of `values` on `device`, made once: made anew, it would wait for the device's queue to empty."
+    return torch.tensor(values, dtype=torch.float32)[:, None, None].to(device)
+
+def _positions(at:list, # increasing positions in a batch
+               device): # where the batch is
+    "`at` as an index that puts rows in place without the host waiting for the device: a slice when consecutive, else a tensor sent from pinned memory."
+    if at == list(range(at[0], at[0] + len(at))): return slice(at[0], at[-1] + 1)
+    index = torch.tensor(at)
+    return index.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else index
+
 class DevicePreprocess:
     "The model's resize, centre crop, to-tensor and normalisation as tensor ops on decoded uint8 images, on any device."
     def __init__(self, geometry:list, # ("resize", size, max_size, mode) and ("crop", (h, w)) steps, in the transform's order
@@ -220,15 +233,16 @@ class DevicePreprocess:
             else: x = self._resize(x, *args, steps[k + 1][1] if k + 1 < len(steps) and steps[k + 1][0] == "crop" else None)
         x = x / 255
         if self.mean is None: return x
-        mean, std = (torch.tensor(v, dtype=x.dtype, device=x.device)[:, None, None] for v in (self.mean, self.std))
+        mean, std = _per_channel(self.mean, x.device), _per_channel(self.std, x.device)
         return (x - mean) / std
 
     def __call__(self, images:list): # M (3, h_i, w_i) uint8 RGB tensors on one device, of any sizes
-        "(M, 3, H, W) float tensor: what the model's preprocess gives for the same pixels, up to rounding."
-        out = torch.empty((len(images), 3, *self.image_size), device=images[0].device)
+        "(M, 3, H, W) float tensor: what the model's preprocess gives for the same pixels, up to rounding; the host does not wait for the device."
         by_size = {}
         for j, im in enumerate(images): by_size.setdefault(tuple(im.shape), []).append(j)
-        for js in by_size.values(): out[js] = self._batch(torch.stack([images[j] for j in js]))  # one resize per image size
+        if len(by_size) == 1: return self._batch(torch.stack(images))  # one size, as in most folders: nothing to put in place
+        out = torch.empty((len(images), 3, *self.image_size), device=images[0].device)
+        for js in by_size.values(): out[_positions(js, out.device)] = self._batch(torch.stack([images[j] for j in js]))  # one resize per size
         return out
 
 # %% ../../nbs/43_extract.ipynb
@@ -329,11 +343,12 @@ def _assemble(batch:dict, # from `collate_jpeg_bytes`
               preprocess:DevicePreprocess, # the model's preprocessing on the device
               device): # where the model runs
     "The batch's (B, 3, H, W) images on `device` and its B errors: JPEGs decoded and preprocessed there, the rest copied from the workers."
-    x, errors = torch.empty((len(index), *files.shape), device=device), list(batch["errors"])
-    if batch["decoded"]: x[batch["decoded"]] = as_float_batch(batch["images"].to(device, non_blocking=True))
-    decoded = decode_jpegs(list(torch.split(batch["jpeg_bytes"], batch["jpeg_sizes"])), device)
+    decoded, errors = decode_jpegs(list(torch.split(batch["jpeg_bytes"], batch["jpeg_sizes"])), device), list(batch["errors"])
     good = [j for j, im in enumerate(decoded) if not isinstance(im, str)]
-    if good: x[[batch["jpeg_at"][j] for j in good]] = preprocess([decoded[j] for j in good])
+    if len(good) == len(index): return preprocess(decoded), errors  # every file a JPEG the device decoded: nothing to put in place
+    x = torch.empty((len(index), *files.shape), device=device)
+    if batch["decoded"]: x[_positions(batch["decoded"], device)] = as_float_batch(batch["images"].to(device, non_blocking=True))
+    if good: x[_positions([batch["jpeg_at"][j] for j in good], device)] = preprocess([decoded[j] for j in good])
     for j in sorted(set(range(len(decoded))) - set(good)):  # what the device cannot decode, PIL decodes or reports, as on the CPU path
         at = batch["jpeg_at"][j]
         image, errors[at] = ImageFiles.__getitem__(files, index[at])

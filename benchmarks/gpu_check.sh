@@ -7,11 +7,13 @@
 #     --platform manylinux2014_x86_64 -d .whl open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13
 # Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_*.json.
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
-# e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: nvJPEG parity with the CPU preprocessing,
-# pixels made floats on the device exactly as on the CPU,
-# then throughput at steady state (ViT-B/32 on 8,192 JPEG files, float32 and float16 autocast; FLAIR on 4,096 PNG files
-# stored at its input resolution without compression, as the data scripts' --resize 512 prepares them), and
-# benchmarks/extract_probe.py: each stage alone, and copies of the loop with one change each.
+# e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: the device path's tests on CUDA (nvJPEG
+# parity with the CPU preprocessing, no host synchronisation while staging), then throughput at steady state, the most
+# wanted first: ViT-B/32 on 8,192 JPEG files under float16 autocast on the device path, with a stage breakdown;
+# benchmarks/extract_probe.py (each stage alone, the resize as matrix products against torch's interpolation kernels,
+# copies of the loop with one change each); ViT-B/32 in float32, both paths; FLAIR on 4,096 PNG files stored at its input
+# resolution without compression, as the data scripts' --resize 512 prepares them; then pixels made floats on the device
+# exactly as on the CPU, and nvJPEG's parity by kind of JPEG file.
 # Every step has its own timeout, capped so the whole script ends within BUDGET seconds (keep BUDGET at 60 or more:
 # below that, the install steps themselves are skipped); a step that fails or
 # times out is logged and the next one runs.
@@ -93,6 +95,10 @@ fi
 if want d; then
 # d. extraction: the device path's parity on CUDA (nvJPEG; prints the measured pixel difference), then throughput at steady state
 step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
+step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --breakdown --json "$OUT/extract_vit_amp.json"
+step "d. probe" 120 python3 benchmarks/extract_probe.py --json "$OUT/probe_amp.json"
+step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
+step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"
 step "d. pixels on the device" 60 python3 -c '
 import numpy as np, torch
 from proton.models.vlm import pixels_to_float
@@ -103,10 +109,6 @@ a = np.random.default_rng(0).integers(0, 256, (512, 384, 3), dtype=np.uint8)
 same = torch.equal(pixels_to_float(flair_pixels(a).to("'$DEV'")).cpu(), flair_preprocess(a))
 print(f"pixels_to_float on '$DEV' equals numpy float32 p / 255 for all 256 values: {exact}; FLAIR pixels there equal flair_preprocess: {same}")'
 step "d. decode parity by file kind" 60 python3 benchmarks/decode_parity.py --device $DEV --json "$OUT/decode_parity.json"
-step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
-step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --breakdown --json "$OUT/extract_vit_amp.json"
-step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"
-step "d. probe" 120 python3 benchmarks/extract_probe.py --json "$OUT/probe_amp.json"
 fi
 
 echo "=== done in ${SECONDS}s; files: $(cd "$OUT" && ls | tr '\n' ' ')" | tee -a "$LOG"

@@ -18,7 +18,9 @@ always take the workers' path). For each model and path, all in this run, on thi
   whole call, and at steady state: the difference between a run on all files and a run on the first half of them,
   which cancels the fixed costs (model copies, prompts, worker start-up, writing the cache).
 With --breakdown, one more end-to-end run is timed stage by stage, per thread (waiting for the workers, putting a batch on
-the device, decoding, preprocessing, waiting for a staged batch, encoding, writing shards), to show which stage the others wait on.
+the device, decoding, preprocessing, waiting for a staged batch, encoding, writing shards), to show which stage the others
+wait on, and what the main thread does before and after its loop over the shards (listing the folder, fingerprinting the
+run, reading the shards back, writing the cache).
 Ratios are against forward only, measured in the same run. The target of the issue is end to end (steady) at least
 0.50 of forward only. Image files are read from the page cache (they were just written), so disk speed is not part of
 the numbers.
@@ -187,8 +189,9 @@ def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device
 def stages():
     """Within the block, the wall time `extract` spends in each stage, by thread: {(thread, stage): seconds}.
 
-    The wrappers time the module's own functions: in the main thread, waiting for the next staged batch and encoding it;
-    in the staging thread, waiting for the workers and putting a batch on the device (decoding and preprocessing JPEG files
+    The wrappers time the module's own functions: in the main thread, listing the folder, fingerprinting the run, the loop
+    over the shards (within it, waiting for the next staged batch and encoding it), reading the shards back and writing the
+    cache; in the staging thread, waiting for the workers and putting a batch on the device (decoding and preprocessing JPEG files
     there, on the device path); in the writing thread, writing shards."""
     seconds = collections.Counter()
     def add(stage, start): seconds[threading.current_thread().name.split("-")[0], stage] += time.perf_counter() - start
@@ -206,18 +209,22 @@ def stages():
             except StopIteration: return
             finally: add(stage, start)
             yield item
-    ahead, saved = ex._ahead, dict(decode_jpegs=ex.decode_jpegs, _write_shard=ex._write_shard, encode_images=VLM.encode_images,
-                                   call=ex.DevicePreprocess.__call__)
+    wrapped = [(ex, "decode_jpegs", "  of which decoding JPEG files"), (ex, "_write_shard", "writing a shard"),
+               (VLM, "encode_images", "encoding"), (ex.DevicePreprocess, "__call__", "  of which preprocessing"),
+               (ex, "read_prepared", "listing the folder"), (ex, "_run_fingerprint", "fingerprinting the run"),
+               (ex, "_embed_shards", "the loop over the shards"), (ex, "read_shard", "reading the shards back"),
+               (ex.EmbeddingCache, "save", "writing the cache")]
+    ahead, saved = ex._ahead, [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
     def timed_ahead(items, work, depth=2):
         staged = ahead(timed_iter(items, "waiting for the workers"), timed(work, "putting a batch on the device"), depth)
         try: yield from timed_iter(staged, "waiting for a staged batch")
         finally: staged.close()
-    ex._ahead, ex.decode_jpegs, ex._write_shard = timed_ahead, timed(saved["decode_jpegs"], "  of which decoding JPEG files"), timed(saved["_write_shard"], "writing a shard")
-    VLM.encode_images, ex.DevicePreprocess.__call__ = timed(saved["encode_images"], "encoding"), timed(saved["call"], "  of which preprocessing")
+    ex._ahead = timed_ahead
+    for owner, name, stage in wrapped: setattr(owner, name, timed(getattr(owner, name), stage))
     try: yield seconds
     finally:
-        ex._ahead, ex.decode_jpegs, ex._write_shard = ahead, saved["decode_jpegs"], saved["_write_shard"]
-        VLM.encode_images, ex.DevicePreprocess.__call__ = saved["encode_images"], saved["call"]
+        ex._ahead = ahead
+        for owner, name, f in saved: setattr(owner, name, f)
 
 
 def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch):

@@ -29,6 +29,9 @@ def test_extract_benchmark_measures_every_path_and_stage(tmp_path):
         if "refused" in r: continue
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("forward_only", "loader_only", "end_to_end")), key
         assert r["breakdown"]["main"]["encoding"] > 0 and "writing a shard" in r["breakdown"]["writing"]
+        main = r["breakdown"]["main"]  # the whole call: the loop, and what comes before and after it
+        assert {"listing the folder", "fingerprinting the run", "reading the shards back", "writing the cache"} <= set(main), key
+        assert main["the loop over the shards"] >= main["encoding"] + main["waiting for a staged batch"], key
     assert rows["ViT-B/32", "device"]["breakdown"]["staging"]["  of which decoding JPEG files"] > 0  # the device path decodes in the staging thread
     assert "no verdict" in printed  # --quick never claims a GPU target
 

@@ -236,3 +236,17 @@ def test_the_resize_as_matrix_products_is_pils(h, w, size, mode, crop, seed):
     assert ours.shape == pil.shape
     differ = (ours - pil).abs()
     assert differ.max() < 2 + 1e-3 and differ.mean() < 0.25  # a tie rounded the other way in the first pass moves the second by at most 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(n_in=st.integers(1, 300), n_out=st.integers(1, 300), mode=st.sampled_from(["bilinear", "bicubic"]), cut=st.tuples(st.floats(0, 1), st.floats(0, 1)))
+def test_pil_weights_are_the_weights_of_torchs_port_of_pils_filters(n_in, n_out, mode, cut):
+    start = int(cut[0] * (n_out - 1))
+    stop = start + 1 + int(cut[1] * (n_out - 1 - start))  # at least one output
+    first, w = ex.pil_weights(n_in, n_out, mode, start, stop)
+    identity = torch.eye(n_in, dtype=torch.float64)[None, None]  # row i resized: input i's weight in every output
+    theirs = torch.nn.functional.interpolate(identity, size=(n_in, n_out), mode=mode, antialias=True, align_corners=False)[0, 0, :, start:stop].numpy()
+    ours = np.zeros_like(theirs)
+    ours[first:first + len(w)] = w
+    np.testing.assert_allclose(ours, theirs, atol=1e-12)
+    assert w.shape[1] == stop - start

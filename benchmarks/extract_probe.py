@@ -10,9 +10,11 @@ first --skip ones, so that starting the workers and the first kernels are not co
   median of several;
 - stages under load: the same while a forward pass of another batch runs on another stream, started just before;
 - pipelines: a copy of `_embed_shards`' loop (workers read bytes, a thread stages batches on a side stream, the main thread
-  encodes), first as it is, then with one change each: the forward on its own stream; no host synchronisation per batch
+  encodes), first as it was before 7a75f33 (`as_is`: the forward on the legacy default stream), then with one change
+  each: the forward on its own stream (`compute_stream`, as the library does since); no host synchronisation per batch
   (features copied back in the background, waited for one batch later); staging without synchronisation (consecutive
   positions as slices, decoded images kept until the side stream is past them); a high-priority side stream; all together;
+  on its own stream with the JPEG files' bytes not copied to pinned memory by the DataLoader (nvJPEG reads them on the host);
   staging and encoding in one thread, one after the other; and the main loop alone (the first staged batch again and
   again, no decoding), for reference.
 - with --profile: torch.profiler tables (and a trace) of a few batches of the pipeline as it is, in --out-dir.
@@ -147,11 +149,11 @@ def assemble_async(batch, index, files, pre, device, decode_stream, side):
 
 
 def pipeline(vlm, dataset, pre, batch_size, workers, amp, skip, *, compute_stream=False, lag=False, async_stage=False,
-             high_priority=False, threaded=True, fixed=False):
+             high_priority=False, threaded=True, fixed=False, pin=True):
     "Images/s of a copy of `_embed_shards`' loop over the dataset, after `skip` batches; each keyword is one change."
     device, encoder, n = vlm.device, _at_precision(vlm, amp), len(dataset)
     batches = [list(range(i, min(n, i + batch_size))) for i in range(0, n, batch_size)]
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=pin and device.type == "cuda",
                                          collate_fn=collate_jpeg_bytes)
     cuda = device.type == "cuda"
     side, decode_stream = new_stream(device, -1 if high_priority else 0), new_stream(device)
@@ -243,7 +245,7 @@ def main(argv=None):
                         high_priority=dict(high_priority=True),
                         all=dict(compute_stream=True, lag=True, async_stage=True, high_priority=True),
                         all_but_priority=dict(compute_stream=True, lag=True, async_stage=True),
-                        one_thread=dict(threaded=False), main_loop_alone=dict(fixed=True),
+                        one_thread=dict(threaded=False), own_stream_unpinned=dict(compute_stream=True, pin=False), main_loop_alone=dict(fixed=True),
                         main_loop_alone_lag=dict(fixed=True, lag=True, compute_stream=True), as_is_again={})
         result["pipelines"] = {}
         print("pipelines, images/s at steady state:", flush=True)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from extract import listing, photo_files, sync  # noqa: E402  (benchmarks/extract.py)
 
 from proton.models import load_vlm  # noqa: E402
-from proton.models.extract import (ImageFiles, JpegBytes, _ahead, _assemble, _at_precision, _Preprocess,  # noqa: E402
+from proton.models.extract import (ImageFiles, JpegBytes, _ahead, _assemble, _at_precision, _positions, _Preprocess,  # noqa: E402
                                    _resized_size, collate_jpeg_bytes, decode_jpegs, default_workers, device_preprocessing)
 
 
@@ -126,13 +126,6 @@ def stage_costs(vlm, dataset, pre, batch_size, amp):
     return out
 
 
-def _slice_or_index(at, device):
-    "Positions `at` as a slice when they are consecutive, else as an index tensor sent ahead to `device`."
-    if at == list(range(at[0], at[0] + len(at))): return slice(at[0], at[0] + len(at))
-    index = torch.tensor(at)
-    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
-
-
 def assemble_async(batch, index, files, pre, device, decode_stream, side):
     "`_assemble` for batches whose files the device decodes, without waiting for the device: the staging thread runs ahead."
     assert not batch["decoded"], "the probe's files are all JPEG"
@@ -144,7 +137,7 @@ def assemble_async(batch, index, files, pre, device, decode_stream, side):
         images = torch.stack(decoded)
         for d in decoded: d.record_stream(side)  # their memory is not reused before the side stream is past this batch
     x = torch.empty((len(index), *files.shape), device=device)
-    x[_slice_or_index(batch["jpeg_at"], device)] = pre._batch(images)
+    x[_positions(batch["jpeg_at"], device)] = pre._batch(images)
     return x
 
 

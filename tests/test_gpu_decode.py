@@ -223,7 +223,6 @@ def test_staging_a_batch_does_not_make_the_host_wait_for_the_device(vlm, folder,
     finally: torch.cuda.set_sync_debug_mode(0)
 
 
-
 @settings(max_examples=80, deadline=None)
 @given(h=st.integers(1, 80), w=st.integers(1, 80), size=st.one_of(st.integers(1, 64), st.tuples(st.integers(1, 64), st.integers(1, 64)).map(list)),
        mode=st.sampled_from(["bilinear", "bicubic"]), crop=st.none() | st.tuples(st.integers(1, 70), st.integers(1, 70)), seed=st.integers(0, 2**16))

@@ -283,7 +283,7 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     v = np.asarray(x)
     if v.shape not in ((text.shape[1],), (1, text.shape[1])) or v.dtype.kind != "f": return None
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
-    n = math.sqrt(float(v @ v))
+    n = math.sqrt(float(np.vdot(v, v)))  # vdot, unlike @, does not warn when the square overflows to inf
     if not MIN_NORM <= n < math.inf: return None  # NaN fails both comparisons
     e = v / n
     logits = text @ e / temperature

@@ -179,6 +179,19 @@ def test_a_refused_pickle_says_why_without_advising_to_unpickle(loader, tmp_path
     assert "weights_only` set to `False`" not in message and "add_safe_globals" not in message and "weights_only=False" not in message
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(dtype=st.sampled_from([torch.float32, torch.float64]), scale=st.floats(0.2, 1.0), size=st.sampled_from([(4,), (1, 4), (3, 4)]),
+       sign=st.sampled_from([1.0, -1.0]))
+def test_a_length_too_long_to_normalise_is_refused_without_a_warning(dtype, scale, size, sign):
+    "Finite rows whose squared length overflows the detector's dtype, on the one-image and batch paths: the error, no warning."
+    big = sign * scale * float(torch.finfo(dtype).max)
+    det = Proton(np.eye(2, 4), dtype=dtype)
+    x = np.full(size, big, dtype=np.float32 if dtype == torch.float32 else np.float64)
+    with pytest.raises(ValueError, match="too long to normalise"): det.score(x)
+    assert det.welford.n == 0
+
+
 def test_an_overflowing_length_is_not_called_nan():
     det = Proton(np.eye(2, 4), dtype=torch.float32)
     with pytest.raises(ValueError, match=r"rows \[0\] are too long to normalise in torch.float32"): det.score(np.full((1, 4), 1e30))

@@ -24,6 +24,7 @@ import torch
 from ..bench.cache import EmbeddingCache
 from ..bench.evaluation import PAPER_PROTOCOL, import_pandas
 from ..bench.experiments import PAPER, REPORTED, experiment
+from ..bench.experiments.cross_domain import DOMAIN_MODELS
 from ..bench.experiments.dynamics import dynamics, trajectories
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from . import ALIASES, load_vlm
@@ -36,8 +37,8 @@ class Domain(NamedTuple):
     model:str # name for `load_vlm`
     label:str # how the paper's tables write it
 
-DOMAINS = {"ophthalmology": Domain("flair", "Ophth. (FLAIR)"), "radiology": Domain("unimed-clip", "Radio. (UniMedCLIP)"),
-           "pathology": Domain("quiltnet", "Patho. (QuiltNet)")}  # prepared folder name -> domain
+_LABELS = {"ophthalmology": "Ophth. (FLAIR)", "radiology": "Radio. (UniMedCLIP)", "pathology": "Patho. (QuiltNet)"}
+DOMAINS = {d: Domain(DOMAIN_MODELS[d].lower(), label) for d, label in _LABELS.items()}  # prepared folder name -> domain; the models of chapter 29
 MAIN_DOMAIN = "ophthalmology"  # the paper's Tables 1, 3, 4 and 2(a) are on FLAIR + FIVES
 SHIFT_ORDER = ("semantic", "covariate", "far")
 

@@ -135,3 +135,68 @@ def test_errors_are_one_line(tmp_path, case):
                               "missing source": ("absent", "open_clip:ViT-S-32/none", "no image folder or file list")}[case]
     r = proton_ood("score", str(tmp_path / source), "--out", str(tmp_path / "r.csv"), "--model", model, "--classes", "a,b")
     assert one_line_error(r) and message in r.stderr, r.stderr
+
+
+def photo_folder(folder, n=7, broken=(3,)):
+    "n small random PNG files named 0.png ...; those in `broken` hold bytes no decoder reads."
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        if i in broken: (folder / f"{i}.png").write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+        else: Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def random_vlm():
+    from proton.models import load_vlm
+    return load_vlm("open_clip:ViT-S-32/none")
+
+
+def run_images(source, out, vlm, **kw):
+    "`score_stream` on image files, two images a chunk unless `kw` says otherwise."
+    return score_stream(source, out, vlm, "a,b", **(dict(config=CONFIG, warmup=50, chunk_size=2, progress=False) | kw))
+
+
+def test_an_unreadable_image_is_left_out_and_tried_again_next_run(tmp_path, random_vlm):
+    folder = photo_folder(tmp_path / "in")
+    with pytest.warns(UserWarning, match=r"1 of 7 images could not be read.*3\.png"):
+        assert run_images(folder, tmp_path / "r.csv", random_vlm, chunk_size=1) == (6, 6)
+    good = tmp_path / "good.txt"; good.write_text("\n".join(f"in/{i}.png" for i in (0, 1, 2, 4, 5, 6)))
+    run_images(good, tmp_path / "good.csv", random_vlm, chunk_size=1)  # one image a forward pass in both: the same floats
+    assert (tmp_path / "r.csv").read_text() == (tmp_path / "good.csv").read_text()  # the same stream as without the file
+    photo_folder(folder, broken=())  # the copy finished
+    assert run_images(folder, tmp_path / "r.csv", random_vlm) == (1, 7)
+    assert (tmp_path / "r.csv").read_text().splitlines()[-1].split(",")[1].endswith("3.png")
+    with pytest.raises(ValueError, match=r"cannot read image .*3\.png"): run_images(photo_folder(tmp_path / "again"), tmp_path / "s.csv", random_vlm, strict=True)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_killed_run_with_an_unreadable_image_resumes_to_identical_results(tmp_path, monkeypatch, random_vlm, k):
+    folder = photo_folder(tmp_path / "in", n=9, broken=(1,))
+    with pytest.warns(UserWarning): run_images(folder, tmp_path / "once.csv", random_vlm)
+    calls = []
+    def dying(state, path):
+        if len(calls) == k + 1: raise KeyboardInterrupt("killed")
+        calls.append(path); return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run_images(folder, tmp_path / "killed.csv", random_vlm)
+    monkeypatch.setattr(score_module, "save_state", save_state)
+    with pytest.warns(UserWarning, match="1 of"): run_images(folder, tmp_path / "killed.csv", random_vlm)
+    assert (tmp_path / "killed.csv").read_text() == (tmp_path / "once.csv").read_text()
+
+
+def test_no_readable_image_at_all_is_an_error(tmp_path, random_vlm):
+    folder = photo_folder(tmp_path / "in", n=2, broken=(0, 1))
+    with pytest.raises(ValueError, match=r"none of the 2 images .* could be read, e\.g\. .*0\.png"):
+        run_images(folder, tmp_path / "r.csv", random_vlm)
+
+
+def test_the_command_reports_unreadable_images_and_goes_on(tmp_path):
+    folder = photo_folder(tmp_path / "in")
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b", "--no-progress")
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "Warning" not in r.stderr, r.stderr
+    assert "scored 6 new images" in r.stdout and "1 of 7 images could not be read" in r.stdout and "3.png" in r.stdout, r.stdout
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "s.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b", "--strict", "--no-progress")
+    assert one_line_error(r) and "cannot read image" in r.stderr, r.stderr

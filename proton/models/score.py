@@ -13,6 +13,7 @@ import io
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -191,6 +192,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  device=None, # where the model runs; None: cuda if available
                  chunk_size:int=256, # images per committed chunk: the most a kill can lose
                  batch_size:int=32, # images per forward pass
+                 strict:bool=False, # stop at the first unreadable image; False: leave it out, warn, and try it again after the next run's new images
                  progress:bool=True): # show a progress bar
     "Score the images of `source` not yet in `out`, in stream order, continuing its stream; returns (new rows, all rows)."
     if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1: raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
@@ -216,8 +218,8 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
     if saved is not None and saved["settings"] != settings:
         diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
         raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
-    done = {r[1] for r in rows}
-    todo = [i for i, p in enumerate(paths) if p not in done]
+    done, unread = {r[1] for r in rows}, set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
+    todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
     if not cache and todo:
         if isinstance(vlm, str):
             from proton.models import load_vlm
@@ -234,22 +236,31 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         monitor = Monitor(Proton(text, config, temperature=temperature), threshold, CusumDrift(drift_k, drift_h))
     from tqdm.auto import tqdm
     columns = row_columns(class_names)
-    if saved is None: results.commit(dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict()), columns, [], [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
+    state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
+    if saved is None: results.commit(state(), columns, [], [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
+    skipped = []
     with tqdm(total=len(todo), unit="img", desc="score", disable=not progress) as bar:
         for a in range(0, len(todo), chunk_size):
             chunk = todo[a:a + chunk_size]
             if cache: E = embeddings[chunk]
             else:
-                images = []
+                images, read = [], []
                 for i in chunk:
-                    try: images.append(read_image(paths[i]))
-                    except (OSError, ValueError, SyntaxError) as e: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
-                E = vlm.encode_images(images, batch_size=batch_size)
-            new = _rows(monitor.score(E), [paths[i] for i in chunk], len(rows), class_names)
+                    try: images.append(read_image(paths[i])); read.append(i); unread.discard(paths[i])
+                    except (OSError, ValueError, SyntaxError) as e:
+                        if strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
+                        skipped.append((paths[i], e)); unread.add(paths[i])
+                E = vlm.encode_images(images, batch_size=batch_size) if images else None
+                bar.update(len(chunk) - len(read)); chunk = read
+            new = _rows(monitor.score(E), [paths[i] for i in chunk], len(rows), class_names) if chunk else []
             rows += new
-            results.commit(dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict()), columns, rows, new)
+            results.commit(state(), columns, rows, new)
             bar.update(len(chunk))
-    return len(todo), len(rows)
+    if skipped:
+        if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
+        warnings.warn(f"{len(skipped)} of {len(todo)} images could not be read and were left out; the next run tries them again "
+                      f"(first: {skipped[0][0]}: {skipped[0][1]})", stacklevel=2)
+    return len(todo) - len(skipped), len(rows)
 
 # %% ../../nbs/47_score.ipynb
 def audit_rows(rows:list, # result rows, as lists of strings in `row_columns` order, from the stream's first image
@@ -293,6 +304,7 @@ def _parser():
     p.add_argument("--drift-h", type=float, default=5., help="CUSUM decision level, in standard deviations")
     p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk")
     p.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: leave it out, say so, try it again next run)")
     p.add_argument("--audit", default=None, help="also write the bank audit (class, slot, path, index) to this CSV file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -301,9 +313,14 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
     "`proton-ood score`: score a folder, list or cache as one stream, appending to its results; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     config = ProtonConfig(gamma=args.gamma, bank_size=args.bank_size, k_min=args.k_min)
-    new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
-                              args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
-                              progress=not args.no_progress)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
+                                  args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
+                                  strict=args.strict, progress=not args.no_progress)
     print(f"scored {new} new images; {args.out} holds {total}")
+    for w in caught:  # the unreadable images' line goes with the summary; any other warning is shown as usual
+        if "could not be read" in str(w.message): print(f"  {w.message}")
+        else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if args.audit: print(f"wrote {args.audit}: {len(write_audit(args.out, args.audit))} bank entries")
     return 0

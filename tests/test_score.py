@@ -200,3 +200,12 @@ def test_the_command_reports_unreadable_images_and_goes_on(tmp_path):
     assert "scored 6 new images" in r.stdout and "1 of 7 images could not be read" in r.stdout and "3.png" in r.stdout, r.stdout
     r = proton_ood("score", str(folder), "--out", str(tmp_path / "s.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b", "--strict", "--no-progress")
     assert one_line_error(r) and "cannot read image" in r.stderr, r.stderr
+
+
+def test_an_image_over_pils_size_limit_is_left_out_like_an_unreadable_one(tmp_path, random_vlm, monkeypatch):
+    from PIL import Image
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    Image.new("RGB", (40, 40)).save(folder / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 600)  # 24 x 24 = 576 pixels pass, 40 x 40 = 1,600 > 2 x 600 is refused
+    with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*big\.png.*decompression bomb"):
+        assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)

@@ -92,9 +92,11 @@ def read_image(path:str|os.PathLike): # an image file: PNG, JPEG, TIFF, ... or D
         try: return dicom_to_8_bits(ds)
         except ValueError as e: raise ValueError(f"{path}: {e}") from None
     from PIL import Image
-    with Image.open(path) as im:
-        im.load()
-        return im.copy()
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy()
+    except Image.DecompressionBombError as e: raise ValueError(f"{path}: {e} (set PIL.Image.MAX_IMAGE_PIXELS higher to read it)") from None
 
 # %% ../../nbs/40_vlm.ipynb
 def _pair(size): return (int(size), int(size)) if isinstance(size, (int, np.integer)) else tuple(int(s) for s in size)

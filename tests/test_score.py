@@ -209,3 +209,13 @@ def test_an_image_over_pils_size_limit_is_left_out_like_an_unreadable_one(tmp_pa
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 600)  # 24 x 24 = 576 pixels pass, 40 x 40 = 1,600 > 2 x 600 is refused
     with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*big\.png.*decompression bomb"):
         assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
+
+
+def test_hidden_files_and_folders_are_not_images_to_score(tmp_path):
+    from PIL import Image
+    from proton.models.score import list_images
+    root = tmp_path / ".cache" / "in"  # a hidden folder above the source does not matter
+    (root / ".ipynb_checkpoints").mkdir(parents=True); (root / "day1").mkdir()
+    for p in (root / "day1" / "a.png", root / ".ipynb_checkpoints" / "b.png", root / "day1" / ".c.png"): Image.new("RGB", (8, 8)).save(p)
+    (root / "day1" / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS's resource fork beside a copied file
+    assert list_images(root) == [str(root / "day1" / "a.png")]

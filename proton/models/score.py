@@ -46,14 +46,15 @@ def read_file_list(path:str|os.PathLike): # a text file: one image path a line, 
     if len(set(paths)) < len(paths): raise ValueError(f"the file list {path} names a file twice")
     return paths
 
-def list_images(source:str|os.PathLike, # a folder (searched recursively) or a file list
+def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden files and folders left out) or a file list
                 order:str|None=None): # "name", "mtime" or "list"; None: "list" for a file list, "name" for a folder
     "The absolute paths of the images to score, in stream order."
     source = Path(source)
     if order is not None and order not in ORDERS: raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if source.is_dir():
         if order == "list": raise ValueError(f"order 'list' needs a file list; {source} is a folder (use name or mtime)")
-        paths = [os.path.abspath(p) for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+        paths = [os.path.abspath(p) for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+                 and not any(part.startswith(".") for part in p.relative_to(source).parts)]  # hidden: macOS's ._ files, .ipynb_checkpoints
         if not paths: raise ValueError(f"no images in {source} (looked for {', '.join(IMAGE_SUFFIXES)}, in every subfolder)")
         return _ordered(paths, order or "name")
     if not source.exists(): raise ValueError(f"no image folder or file list at {source}")
@@ -286,7 +287,7 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
 # %% ../../nbs/47_score.ipynb
 def _parser():
     p = argparse.ArgumentParser(prog="proton-ood score", description="Score your own images (or an embedding cache) as one stream, resumably.")
-    p.add_argument("source", help="an image folder (searched recursively), a file list (one path a line), or an embedding cache (.npz)")
+    p.add_argument("source", help="an image folder (searched recursively, hidden files left out), a file list (one path a line), or an embedding cache (.npz)")
     p.add_argument("--out", required=True, help="results file, .csv (or .parquet with pyarrow); the state goes to <out>.state.pt")
     p.add_argument("--model", default=None, help="flair, unimed-clip, quiltnet, or open_clip:<arch>/<pretrained>; not for a cache")
     p.add_argument("--checkpoint", default=None, help="local weights file (or folder) of the model")

@@ -259,8 +259,9 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             bar.update(len(chunk))
     if skipped:
         if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
-        warnings.warn(f"{len(skipped)} of {len(todo)} images could not be read and were left out; the next run tries them again "
-                      f"(first: {skipped[0][0]}: {skipped[0][1]})", stacklevel=2)
+        one = len(skipped) == 1
+        warnings.warn(f"{len(skipped)} of {len(todo)} image{'s' * (len(todo) > 1)} could not be read and {'was' if one else 'were'} left out; "
+                      f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", stacklevel=2)
     return len(todo) - len(skipped), len(rows)
 
 # %% ../../nbs/47_score.ipynb

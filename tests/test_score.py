@@ -219,3 +219,30 @@ def test_hidden_files_and_folders_are_not_images_to_score(tmp_path):
     for p in (root / "day1" / "a.png", root / ".ipynb_checkpoints" / "b.png", root / "day1" / ".c.png"): Image.new("RGB", (8, 8)).save(p)
     (root / "day1" / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS's resource fork beside a copied file
     assert list_images(root) == [str(root / "day1" / "a.png")]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the lock is POSIX's flock")
+def test_a_second_run_on_the_same_results_is_refused_while_the_first_writes(tmp_path):
+    "Two runs appending to one results file would interleave their rows: while one holds the lock, the other stops and writes nothing."
+    cache, out = cache_file(tmp_path / "c.npz", 100), tmp_path / "r.csv"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+                               "print('locked', flush=True); time.sleep(60)", str(tmp_path / "r.csv.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=r"another run is writing .*r\.csv"): run(cache, out)
+        assert not out.exists() and not (tmp_path / "r.csv.state.pt").exists()
+    finally: holder.kill(); holder.wait()
+    assert run(cache, out) == (100, 100)  # the lock goes with its process
+
+
+def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, monkeypatch):
+    "`write_audit` may run while a run appends: it reads the committed rows and leaves the rest of the file to the run that wrote it."
+    cache = cache_file(tmp_path / "c.npz", 200)
+    def dying(state, path):
+        if Path(path).exists(): raise KeyboardInterrupt("killed")  # the chunk's rows are on disk, its state is not
+        return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache, tmp_path / "r.csv")
+    size = (tmp_path / "r.csv").stat().st_size
+    assert len(write_audit(tmp_path / "r.csv", tmp_path / "a.csv")) == 0  # no committed row yet
+    assert (tmp_path / "r.csv").stat().st_size == size > 0

@@ -8,6 +8,7 @@ __all__ = ['IMAGE_SUFFIXES', 'ORDERS', 'SCORE_FORMAT', 'read_file_list', 'list_i
 
 # %% ../../nbs/47_score.ipynb
 import argparse
+import contextlib
 import csv
 import io
 import math
@@ -98,7 +99,7 @@ class Results:
     "The results file (CSV, or Parquet with pyarrow) and the monitor state beside it, committed together one chunk at a time."
     def __init__(self, out:str|os.PathLike): # results file: .csv, or .parquet
         self.out = Path(out)
-        self.state_path = self.out.with_name(self.out.name + ".state.pt")
+        self.state_path, self.lock_path = self.out.with_name(self.out.name + ".state.pt"), self.out.with_name(self.out.name + ".lock")
         self.parquet = self.out.suffix.lower() == ".parquet"
         if self.parquet:
             try: import pyarrow, pyarrow.parquet
@@ -106,8 +107,18 @@ class Results:
         elif self.out.suffix.lower() != ".csv": raise ValueError(f"the results file must end in .csv or .parquet, got {self.out.name}")
         if not self.out.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {self.out.parent} is not a folder")
 
-    def load(self):
-        "(saved state or None, committed rows as lists of strings); rows beyond the committed ones (a killed run's) are cut off."
+    @contextlib.contextmanager
+    def lock(self):
+        "Hold `<out>.lock` while a run reads and appends: a second run on the same results stops instead of interleaving rows (POSIX)."
+        try: import fcntl
+        except ImportError: yield; return  # Windows: no lock
+        with open(self.lock_path, "a") as f:
+            try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or its process dies
+            except BlockingIOError: raise ValueError(f"another run is writing {self.out} (it holds {self.lock_path.name}); wait for it to end, or choose another --out") from None
+            yield
+
+    def load(self, cut:bool=False): # also cut off rows beyond the committed ones (a killed run's), as a run that appends must
+        "(saved state or None, committed rows as lists of strings)."
         if not self.state_path.exists():
             if self.out.exists(): raise ValueError(f"{self.out} exists but its state {self.state_path.name} does not; move it away or choose another --out")
             return None, []
@@ -118,9 +129,9 @@ class Results:
             table = pq.read_table(self.out) if self.out.exists() else None
             rows = [] if table is None else [[_text(v) for v in r.values()] for r in table.slice(0, n).to_pylist()]
         else:
-            with open(self.out, "r+", newline="") as f:
-                f.truncate(saved["bytes"])
-                rows = list(csv.reader(f))[1:]
+            if cut: os.truncate(self.out, saved["bytes"])
+            with open(self.out, "rb") as f: committed = io.BytesIO(f.read(saved["bytes"]))
+            rows = list(csv.reader(io.TextIOWrapper(committed, newline="")))[1:]
         if len(rows) != n: raise ValueError(f"{self.out} holds {len(rows)} committed rows, its state says {n}; it was changed by hand")
         return saved, rows
 
@@ -214,55 +225,56 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()
     settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h)
-    saved, rows = results.load()
-    if saved is not None and saved.get("format") != SCORE_FORMAT: raise ValueError(f"{results.state_path} is not a scoring state")
-    if saved is not None and saved["settings"] != settings:
-        diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
-        raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
-    done, unread = {r[1] for r in rows}, set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
-    todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
-    if not cache and todo:
-        if isinstance(vlm, str):
-            from proton.models import load_vlm
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            if torch.device(device).type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"--device {device}, but CUDA is not available here")
-            vlm = load_vlm(vlm, checkpoint, device=device)
-        from proton.models import prompt_ensemble
-        text, temperature = prompt_ensemble(vlm, prompt_map), vlm.temperature
-    if not todo: return 0, len(rows)
-    if saved is not None: monitor = Monitor.from_state_dict(saved["monitor"])
-    else:
-        threshold = WarmupThreshold(warmup, id_recall)
-        if reference is not None: threshold.set_reference(read_reference_scores(reference))
-        monitor = Monitor(Proton(text, config, temperature=temperature), threshold, CusumDrift(drift_k, drift_h))
-    from tqdm.auto import tqdm
-    columns = row_columns(class_names)
-    state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
-    if saved is None: results.commit(state(), columns, [], [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
-    skipped = []
-    with tqdm(total=len(todo), unit="img", desc="score", disable=not progress) as bar:
-        for a in range(0, len(todo), chunk_size):
-            chunk = todo[a:a + chunk_size]
-            if cache: E = embeddings[chunk]
-            else:
-                images, read = [], []
-                for i in chunk:
-                    try: images.append(read_image(paths[i])); read.append(i); unread.discard(paths[i])
-                    except (OSError, ValueError, SyntaxError) as e:
-                        if strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
-                        skipped.append((paths[i], e)); unread.add(paths[i])
-                E = vlm.encode_images(images, batch_size=batch_size) if images else None
-                bar.update(len(chunk) - len(read)); chunk = read
-            new = _rows(monitor.score(E), [paths[i] for i in chunk], len(rows), class_names) if chunk else []
-            rows += new
-            results.commit(state(), columns, rows, new)
-            bar.update(len(chunk))
-    if skipped:
-        if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
-        one = len(skipped) == 1
-        warnings.warn(f"{len(skipped)} of {len(todo)} image{'s' * (len(todo) > 1)} could not be read and {'was' if one else 'were'} left out; "
-                      f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", stacklevel=2)
-    return len(todo) - len(skipped), len(rows)
+    with results.lock():
+        saved, rows = results.load(cut=True)
+        if saved is not None and saved.get("format") != SCORE_FORMAT: raise ValueError(f"{results.state_path} is not a scoring state")
+        if saved is not None and saved["settings"] != settings:
+            diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
+            raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
+        done, unread = {r[1] for r in rows}, set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
+        todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
+        if not cache and todo:
+            if isinstance(vlm, str):
+                from proton.models import load_vlm
+                device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+                if torch.device(device).type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"--device {device}, but CUDA is not available here")
+                vlm = load_vlm(vlm, checkpoint, device=device)
+            from proton.models import prompt_ensemble
+            text, temperature = prompt_ensemble(vlm, prompt_map), vlm.temperature
+        if not todo: return 0, len(rows)
+        if saved is not None: monitor = Monitor.from_state_dict(saved["monitor"])
+        else:
+            threshold = WarmupThreshold(warmup, id_recall)
+            if reference is not None: threshold.set_reference(read_reference_scores(reference))
+            monitor = Monitor(Proton(text, config, temperature=temperature), threshold, CusumDrift(drift_k, drift_h))
+        from tqdm.auto import tqdm
+        columns = row_columns(class_names)
+        state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
+        if saved is None: results.commit(state(), columns, [], [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
+        skipped = []
+        with tqdm(total=len(todo), unit="img", desc="score", disable=not progress) as bar:
+            for a in range(0, len(todo), chunk_size):
+                chunk = todo[a:a + chunk_size]
+                if cache: E = embeddings[chunk]
+                else:
+                    images, read = [], []
+                    for i in chunk:
+                        try: images.append(read_image(paths[i])); read.append(i); unread.discard(paths[i])
+                        except (OSError, ValueError, SyntaxError) as e:
+                            if strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
+                            skipped.append((paths[i], e)); unread.add(paths[i])
+                    E = vlm.encode_images(images, batch_size=batch_size) if images else None
+                    bar.update(len(chunk) - len(read)); chunk = read
+                new = _rows(monitor.score(E), [paths[i] for i in chunk], len(rows), class_names) if chunk else []
+                rows += new
+                results.commit(state(), columns, rows, new)
+                bar.update(len(chunk))
+        if skipped:
+            if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
+            one = len(skipped) == 1
+            warnings.warn(f"{len(skipped)} of {len(todo)} image{'s' * (len(todo) > 1)} could not be read and {'was' if one else 'were'} left out; "
+                          f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", stacklevel=2)
+        return len(todo) - len(skipped), len(rows)
 
 # %% ../../nbs/47_score.ipynb
 def audit_rows(rows:list, # result rows, as lists of strings in `row_columns` order, from the stream's first image

@@ -140,7 +140,7 @@ class ImageFiles(torch.utils.data.Dataset):
         "(image tensor, "" ) for a readable file, uint8 pixels or floats; (zeros, the error) for one that is not, unless `strict`."
         path = self.root / self.files[i]
         try: return self._prepare(read_image(path)), ""
-        except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, DecompressionBombError, ...
+        except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, ValueError (DICOM, PIL's size limit), ...
             if self.strict: raise ValueError(f"cannot read image {path}: {e}") from e
             return torch.zeros(self.shape), f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
@@ -197,8 +197,10 @@ def pil_weights(n_in:int, # pixels before the resize
     lo = np.maximum((centre - support * stretch + 0.5).astype(int), 0)  # astype(int) truncates, as C's (int) does in PIL
     hi = np.minimum((centre + support * stretch + 0.5).astype(int), n_in)
     taps = lo + np.arange(int(np.ceil(support * stretch)) * 2 + 1)[:, None]  # (taps, outputs): the inputs an output may use
-    w = np.where(taps < hi, weight(np.abs(taps - centre + 0.5) / stretch), 0)
-    w, used, first = w / np.where(w.sum(0) == 0, 1, w.sum(0)), taps < hi, int(lo.min())
+    used = taps < hi
+    w = np.where(used, weight(np.abs(taps - centre + 0.5) / stretch), 0)
+    total, first = w.sum(0), int(lo.min())
+    w = w / np.where(total == 0, 1, total)
     m = np.zeros((int(hi.max()) - first, len(centre)))
     m[taps[used] - first, np.nonzero(used)[1]] = w[used]
     return first, m

@@ -4,7 +4,8 @@
 
 # %% auto 0
 __all__ = ['IMAGE_SUFFIXES', 'ORDERS', 'SCORE_FORMAT', 'read_file_list', 'list_images', 'row_columns', 'Results',
-           'class_prompts_from', 'read_reference_scores', 'score_stream', 'audit_rows', 'write_audit', 'score_main']
+           'UnreadableImagesWarning', 'class_prompts_from', 'read_reference_scores', 'score_stream', 'audit_rows',
+           'write_audit', 'score_main']
 
 # %% ../../nbs/47_score.ipynb
 import argparse
@@ -158,6 +159,21 @@ class Results:
 # %% ../../nbs/47_score.ipynb
 SCORE_FORMAT = "proton-score-1"
 
+class UnreadableImagesWarning(UserWarning):
+    "Some images could not be read: they were left out of this run and will be tried again by the next."
+
+def _readable(paths:list, # every image path of the stream
+              at:list, # the positions in `paths` to read
+              strict:bool): # raise at the first unreadable image
+    "(images, the positions read, [(path, error)] of the others)."
+    images, read, failed = [], [], []
+    for i in at:
+        try: images.append(read_image(paths[i])); read.append(i)
+        except (OSError, ValueError, SyntaxError) as e:
+            if strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
+            failed.append((paths[i], e))
+    return images, read, failed
+
 def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float):
     "What makes a run's numbers: a later run must match it to continue the stream."
     return dict(model=model, checkpoint=None if checkpoint is None else os.path.abspath(checkpoint), classes=list(class_names),
@@ -255,17 +271,12 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         with tqdm(total=len(todo), unit="img", desc="score", disable=not progress) as bar:
             for a in range(0, len(todo), chunk_size):
                 chunk = todo[a:a + chunk_size]
-                if cache: E = embeddings[chunk]
+                if cache: E, read = embeddings[chunk], chunk
                 else:
-                    images, read = [], []
-                    for i in chunk:
-                        try: images.append(read_image(paths[i])); read.append(i); unread.discard(paths[i])
-                        except (OSError, ValueError, SyntaxError) as e:
-                            if strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
-                            skipped.append((paths[i], e)); unread.add(paths[i])
+                    images, read, failed = _readable(paths, chunk, strict)
+                    skipped += failed; unread = (unread | {p for p, _ in failed}) - {paths[i] for i in read}
                     E = vlm.encode_images(images, batch_size=batch_size) if images else None
-                    bar.update(len(chunk) - len(read)); chunk = read
-                new = _rows(monitor.score(E), [paths[i] for i in chunk], len(rows), class_names) if chunk else []
+                new = _rows(monitor.score(E), [paths[i] for i in read], len(rows), class_names) if read else []
                 rows += new
                 results.commit(state(), columns, rows, new)
                 bar.update(len(chunk))
@@ -273,7 +284,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
             one = len(skipped) == 1
             warnings.warn(f"{len(skipped)} of {len(todo)} image{'s' * (len(todo) > 1)} could not be read and {'was' if one else 'were'} left out; "
-                          f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", stacklevel=2)
+                          f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", UnreadableImagesWarning, stacklevel=2)
         return len(todo) - len(skipped), len(rows)
 
 # %% ../../nbs/47_score.ipynb
@@ -328,13 +339,13 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     config = ProtonConfig(gamma=args.gamma, bank_size=args.bank_size, k_min=args.k_min)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)
+        warnings.simplefilter("always", UnreadableImagesWarning)
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
                                   args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
                                   strict=args.strict, progress=not args.no_progress)
     print(f"scored {new} new images; {args.out} holds {total}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is shown as usual
-        if "could not be read" in str(w.message): print(f"  {w.message}")
+        if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")
         else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if args.audit: print(f"wrote {args.audit}: {len(write_audit(args.out, args.audit))} bank entries")
     return 0

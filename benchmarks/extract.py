@@ -9,7 +9,8 @@ on a CPU the numbers describe that CPU, not a GPU). Two models, with random weig
 Two decoding paths, both of `extract`: `workers` (DataLoader workers decode with PIL and run the model's preprocess) and
 `device` (`decode_on_device=True`: workers read the JPEG bytes, the model's device decodes them with
 torchvision.io.decode_jpeg and preprocesses with tensor ops; FLAIR's preprocessing has no device version, and PNG files
-always take the workers' path). For each model and path, all in this run, on this machine:
+always take the workers' path). `--worker-shares 0,0.25,0.4` times the device path once for each `worker_share` of `extract`:
+the share of the files the workers decode all the same, to take work off the GPU. For each model and path, all in this run, on this machine:
 - forward only: `encode_images` on one preprocessed batch already on the device, in the precision of the run (float32,
   extraction's default, or float16 autocast with --amp), the encoder's ceiling;
 - loader only: the batches of the chosen path, ready on the device, no model, at steady state (after the first
@@ -148,11 +149,11 @@ def forward_only(vlm, folder, batch_size, n, warmup, amp):
     return iters * batch_size / (time.perf_counter() - t)
 
 
-def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches):
+def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, share=0):
     "Images per second of the loader alone, batches ready on the device, after the first `warmup_batches` batches."
     files, shape, cuda = listing(folder), (3, *vlm.image_size), vlm.device.type == "cuda"
     pre = _Preprocess(vlm)
-    dataset = (ImageFiles if on_device is None else JpegBytes)(folder, files, pre, shape, pixels=pre.pixels)
+    dataset = ImageFiles(folder, files, pre, shape, pixels=pre.pixels) if on_device is None else JpegBytes(folder, files, pre, shape, pixels=pre.pixels, worker_share=share)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=cuda,
                                          collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
     counted, t = 0, None
@@ -168,13 +169,13 @@ def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches):
     return counted / (time.perf_counter() - t) if t is not None and counted else float("nan")
 
 
-def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device, repeats, scratch):
+def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device, repeats, scratch, share=0):
     "Images per second of `extract` (best of `repeats`, after an untimed call): the whole call, and at steady state (all files minus the first half)."
     def timed(data, count, r):
         out = Path(scratch, f"cache_{r}.npz")
         t = time.perf_counter()
         cache = extract(vlm, data, out=out, batch_size=batch_size, num_workers=workers, shard_size=max(256, batch_size),
-                        amp=amp, decode_on_device=on_device, resume=False, progress=False)
+                        amp=amp, decode_on_device=on_device, worker_share=share, resume=False, progress=False)
         elapsed = time.perf_counter() - t
         assert len(cache) == count
         out.unlink()
@@ -230,12 +231,12 @@ def stages():
         for owner, name, f in saved: setattr(owner, name, f)
 
 
-def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch):
+def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch, share=0):
     "One `extract` on all files, timed stage by stage: {thread: {stage: seconds}}, and the whole call's seconds."
     with stages() as seconds:
         start = time.perf_counter()
         extract(vlm, folder, out=Path(scratch, "breakdown.npz"), batch_size=batch_size, num_workers=workers, shard_size=max(256, batch_size),
-                amp=amp, decode_on_device=on_device, resume=False, progress=False)
+                amp=amp, decode_on_device=on_device, worker_share=share, resume=False, progress=False)
         total = time.perf_counter() - start
     Path(scratch, "breakdown.npz").unlink()
     out = collections.defaultdict(dict)
@@ -261,6 +262,7 @@ def main(argv=None):
     p.add_argument("--png-level", type=int, default=1, help="zlib level of the PNG files (default 1, quick to write; 0 as the data scripts' --resize stores them)")
     p.add_argument("--models", default="flair,vit-b-32", help="comma-separated: flair, vit-b-32")
     p.add_argument("--paths", default="workers,device", help="comma-separated decoding paths: workers, device")
+    p.add_argument("--worker-shares", default="0", help="comma-separated worker_share values timed on the device path (default 0)")
     p.add_argument("--amp", action="store_true", help="forward passes under float16 autocast (extract's amp=True); default float32")
     p.add_argument("--flair-checkpoint", default=None, help="time the released flair_resnet.pth instead of random weights")
     p.add_argument("--flair-tokenizer", default=None, help="folder with Bio_ClinicalBERT's vocab.txt (with --flair-checkpoint)")
@@ -275,6 +277,7 @@ def main(argv=None):
     warmup_batches = max(1, workers if args.warmup_batches is None else args.warmup_batches)
     fundus = args.fundus_size or (512 if args.quick else 2048)
     precision = "float16 autocast" if args.amp else "float32"
+    shares = [float(s) for s in args.worker_shares.split(",")]
     on_cpu = device.type != "cuda"
     print(f"extraction throughput on {machine(device)}; torch {torch.__version__}; {n} images per model, batch {batch_size}, "
           f"{workers} workers, forward passes in {precision} (all columns)")
@@ -303,26 +306,28 @@ def main(argv=None):
                            batch_size=batch_size, workers=workers, forward_only=fwd)
                 if path == "device" and on_device is None:
                     rows.append(row | dict(refused=why)); continue
-                load = loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches)
-                whole, steady = end_to_end(vlm, folder, half, n, n_half, batch_size, workers, args.amp, path == "device", repeats, scratch)
-                rows.append(row | dict(loader_only=load, end_to_end=whole, end_to_end_steady=steady,
-                                       loader_ratio=load / fwd, ratio=whole / fwd, steady_ratio=steady / fwd))
-                if args.breakdown:
-                    rows[-1]["breakdown"], total = breakdown(vlm, folder, n, batch_size, workers, args.amp, path == "device", scratch)
-                    print(f"  {path}: where one end-to-end run of {total:.2f} s spends its time, per thread (seconds; threads overlap)")
-                    for thread, by_stage in rows[-1]["breakdown"].items():
-                        for stage, t in by_stage.items(): print(f"    {thread:<8}{stage:<34}{t:>8.2f}")
-                print(f"  {path}: done", flush=True)
+                for share in shares if path == "device" else [0]:
+                    name = path if share == 0 else f"{path} {share:g}w"  # the workers decode a share of the files all the same
+                    load = loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, share)
+                    whole, steady = end_to_end(vlm, folder, half, n, n_half, batch_size, workers, args.amp, path == "device", repeats, scratch, share)
+                    rows.append(row | dict(path=name, worker_share=share, loader_only=load, end_to_end=whole, end_to_end_steady=steady,
+                                           loader_ratio=load / fwd, ratio=whole / fwd, steady_ratio=steady / fwd))
+                    if args.breakdown:
+                        rows[-1]["breakdown"], total = breakdown(vlm, folder, n, batch_size, workers, args.amp, path == "device", scratch, share)
+                        print(f"  {name}: where one end-to-end run of {total:.2f} s spends its time, per thread (seconds; threads overlap)")
+                        for thread, by_stage in rows[-1]["breakdown"].items():
+                            for stage, t in by_stage.items(): print(f"    {thread:<8}{stage:<34}{t:>8.2f}")
+                    print(f"  {name}: done", flush=True)
             del vlm
             if device.type == "cuda": torch.cuda.empty_cache()
     print(f"\nimages/s; forward passes in {precision}; ratios against forward only of the same model, in this run")
-    print(f"{'model':<26}{'files':<18}{'path':<9}{'forward only':>13}{'loader only':>12}{'e2e whole':>11}{'e2e steady':>12}"
+    print(f"{'model':<26}{'files':<18}{'path':<14}{'forward only':>13}{'loader only':>12}{'e2e whole':>11}{'e2e steady':>12}"
           f"{'loader/fwd':>11}{'e2e/fwd':>9}{'steady/fwd':>11}")
     for r in rows:
         if "refused" in r:
-            print(f"{r['model']:<26}{r['files']:<18}{r['path']:<9}{r['forward_only']:>13.1f}   device path refused: {r['refused']}")
+            print(f"{r['model']:<26}{r['files']:<18}{r['path']:<14}{r['forward_only']:>13.1f}   device path refused: {r['refused']}")
             continue
-        print(f"{r['model']:<26}{r['files']:<18}{r['path']:<9}{r['forward_only']:>13.1f}{r['loader_only']:>12.1f}{r['end_to_end']:>11.1f}"
+        print(f"{r['model']:<26}{r['files']:<18}{r['path']:<14}{r['forward_only']:>13.1f}{r['loader_only']:>12.1f}{r['end_to_end']:>11.1f}"
               f"{r['end_to_end_steady']:>12.1f}{r['loader_ratio']:>11.2f}{r['ratio']:>9.2f}{r['steady_ratio']:>11.2f}")
     for r in rows:
         if "refused" in r: continue

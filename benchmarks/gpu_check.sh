@@ -9,7 +9,8 @@
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: the device path's tests on CUDA (nvJPEG
 # parity with the CPU preprocessing, no host synchronisation while staging), then throughput at steady state, the most
-# wanted first: ViT-B/32 on 8,192 JPEG files under float16 autocast on the device path, with a stage breakdown;
+# wanted first: ViT-B/32 on 8,192 JPEG files under float16 autocast on the device path, with a stage breakdown, with 0, 25 %
+# and 50 % of the files handed back to the workers (extract's worker_share);
 # benchmarks/extract_probe.py (each stage alone, the resize as matrix products against torch's interpolation kernels,
 # copies of the loop with one change each); ViT-B/32 in float32, both paths; FLAIR on 4,096 PNG files stored at its input
 # resolution without compression, as the data scripts' --resize 512 prepares them; then pixels made floats on the device
@@ -95,7 +96,7 @@ fi
 if want d; then
 # d. extraction: the device path's parity on CUDA (nvJPEG; prints the measured pixel difference), then throughput at steady state
 step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
-step "d. extract ViT-B/32 amp" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --breakdown --json "$OUT/extract_vit_amp.json"
+step "d. extract ViT-B/32 amp" 150 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --worker-shares 0,0.25,0.5 --breakdown --json "$OUT/extract_vit_amp.json"
 step "d. probe" 120 python3 benchmarks/extract_probe.py --json "$OUT/probe_amp.json"
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
 step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"

@@ -24,9 +24,11 @@ def run(script, *args):
 def test_extract_benchmark_measures_every_path_and_stage(tmp_path):
     out = tmp_path / "extract.json"
     printed = run("extract.py", "--quick", "--models", "vit-b-32,flair", "--n", "8", "--batch-size", "4", "--workers", "1",
-                  "--fundus-size", "64", "--breakdown", "--json", str(out))
+                  "--fundus-size", "64", "--breakdown", "--worker-shares", "0,0.5", "--json", str(out))
     rows = {(r["model"].split(",")[0], r["path"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {("ViT-B/32", "workers"), ("ViT-B/32", "device"), ("FLAIR ResNet-50", "workers"), ("FLAIR ResNet-50", "device")}
+    assert set(rows) == {("ViT-B/32", "workers"), ("ViT-B/32", "device"), ("ViT-B/32", "device 0.5w"), ("FLAIR ResNet-50", "workers"),
+                         ("FLAIR ResNet-50", "device")}
+    assert rows["ViT-B/32", "device 0.5w"]["worker_share"] == 0.5 and rows["ViT-B/32", "device"]["worker_share"] == 0
     assert "FLAIR preprocesses with a function" in rows["FLAIR ResNet-50", "device"]["refused"]
     for key, r in rows.items():
         if "refused" in r: continue
@@ -36,6 +38,7 @@ def test_extract_benchmark_measures_every_path_and_stage(tmp_path):
         assert {"listing the folder", "fingerprinting the run", "reading the shards back", "writing the cache"} <= set(main), key
         assert main["the loop over the shards"] >= main["encoding"] + main["waiting for a staged batch"], key
     assert rows["ViT-B/32", "device"]["breakdown"]["staging"]["  of which decoding JPEG files"] > 0  # the device path decodes in the staging thread
+    assert rows["ViT-B/32", "device 0.5w"]["breakdown"]["staging"]["  of which decoding JPEG files"] > 0  # half the files still decode there
     assert "no verdict" in printed  # --quick never claims a GPU target
 
 

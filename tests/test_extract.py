@@ -421,11 +421,12 @@ def test_fit_images_become_the_fit_split_and_prompt_sets_are_read_from_the_folde
     assert cache.prompt_set_names == ("L1", "tag") and cache.prompts[:2] == ("a normal fundus", "a fundus with lesions")
 
 
-def test_torchrun_with_two_gloo_processes_gives_the_single_process_cache(data, tmp_path):
+@pytest.mark.parametrize("decoding", [[], ["--decode-on-device", "--worker-share", "0.5"]], ids=["workers", "device-and-workers"])
+def test_torchrun_with_two_gloo_processes_gives_the_single_process_cache(data, tmp_path, decoding):
     "Two ranks share the shards (torch.distributed, gloo, on the CPU); the merged cache is the single-process one, bit for bit."
     env = dict(os.environ, SOURCE_DATE_EPOCH=EPOCH, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
     common = ["extract", "--model", MODEL, "--data", str(data), "--batch-size", "2", "--shard-size", "2", "--workers", "0",
-              "--device", "cpu", "--no-progress"]
+              "--device", "cpu", "--no-progress", *decoding]  # which files the workers decode depends on their place, not on the rank
     command = Path(sys.executable).with_name("proton-ood")  # the console script, which torchrun runs as a Python file
     single = subprocess.run([sys.executable, str(command), *common, "--out", str(tmp_path / "one.npz")], env=env, capture_output=True, text=True)
     assert single.returncode == 0, single.stderr

@@ -106,6 +106,53 @@ def test_metadata_and_fingerprint_name_the_path(both, vlm, folder, tmp_path):
     np.testing.assert_array_equal(again.image_embeddings, cpu.image_embeddings)
 
 
+@pytest.mark.parametrize("share", [0, 0.1, 0.25, 1 / 3, 0.4, 0.5, 0.9, 1])
+def test_the_workers_share_of_the_files_is_spread_evenly(share):
+    picked = [i for i in range(600) if ex.worker_decodes(i, share)]
+    assert len(picked) == round(600 * share)
+    gaps = np.diff([-1, *picked])
+    assert len(picked) < 2 or gaps.max() - gaps.min() <= 1  # every gap ⌊1/s⌋ or ⌈1/s⌉ files: no run of device-only batches
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan"), "half"])
+def test_a_share_outside_0_to_1_is_refused(vlm, folder, share):
+    with pytest.raises(ValueError, match="worker_share must be a number from 0 to 1"):
+        extract(vlm, folder, decode_on_device=True, worker_share=share, **RUN)
+
+
+@pytest.fixture(scope="module")
+def shared(vlm, folder, tmp_path_factory):
+    """The folder's cache on the device path with half, and with all, of its files given to the workers."""
+    out = tmp_path_factory.mktemp("shared")
+    return {s: extract(vlm, folder, out=out / f"{s}.npz", keep_shards=True, decode_on_device=True, worker_share=s, **RUN) for s in (0.5, 1)}, out
+
+
+def test_the_workers_share_is_decoded_as_on_the_workers_path_the_rest_on_the_device(both, shared):
+    (cpu, device, _), (caches, _) = both, shared
+    np.testing.assert_array_equal(caches[1].image_embeddings, cpu.image_embeddings)  # all files to the workers: the workers' cache
+    jpeg = np.array([ex.is_jpeg(f) for f in cpu.source])
+    assert (np.abs(device.image_embeddings - cpu.image_embeddings).max(1)[jpeg] > 0).all()  # each JPEG row tells who decoded it
+    workers = np.array([ex.worker_decodes(i, 0.5) or not j for i, j in enumerate(jpeg)])
+    assert (workers & jpeg).sum() == 2 and (~workers).sum() == 4  # JPEG files on both paths
+    exact = dict(rtol=0, atol=0 if DEVICE == "cpu" else 1e-6)  # on the CPU a row does not depend on the other rows of its batch
+    np.testing.assert_allclose(caches[0.5].image_embeddings[workers], cpu.image_embeddings[workers], **exact)
+    np.testing.assert_allclose(caches[0.5].image_embeddings[~workers], device.image_embeddings[~workers], **exact)
+    assert caches[0.5].source == cpu.source
+
+
+def test_the_share_is_in_the_metadata_and_the_run_fingerprint(vlm, folder, both, shared):
+    (_, device, _), (caches, out) = both, shared
+    assert caches[0.5].metadata["decode"] == device.metadata["decode"].replace("; other files", "; 1 in 2 files (spread evenly) and all other files")
+    assert caches[0.5].metadata["worker_share"] == 0.5 and device.metadata["worker_share"] == 0
+    with warnings.catch_warnings(record=True) as caught:  # another share, other embeddings: no shard of the last run is reused
+        warnings.simplefilter("always")
+        again = extract(vlm, folder, out=out / "0.5.npz", keep_shards=True, decode_on_device=True, worker_share=1, **RUN)
+    assert sum("recomputing shard" in str(w.message) and "differs in ['run']" in str(w.message) for w in caught) == 3
+    np.testing.assert_array_equal(again.image_embeddings, caches[1].image_embeddings)
+    run = lambda share: ex._run_fingerprint(vlm, ex.read_prepared(folder), None, False, 3, False, True, share)
+    assert run(0) == ex._run_fingerprint(vlm, ex.read_prepared(folder), None, False, 3, False, True)  # share 0: the runs of before
+
+
 def test_device_preprocessing_reproduces_the_transform_on_every_shape(vlm, folder):
     pre, why = ex.device_preprocessing(vlm)
     assert why == "" and pre.geometry == [("resize", 224, None, "bicubic"), ("crop", (224, 224))]

@@ -6,9 +6,9 @@
 __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'PILLOW_MAJOR', 'SHARD_FORMAT', 'read_prompt_file',
            'resolve_prompts', 'tag_prompts', 'resolve_prompt_sets', 'encode_prompt_sets', 'ImageFiles', 'stack_images',
            'collate_images', 'as_float_batch', 'is_jpeg', 'pil_weights', 'DevicePreprocess', 'decode_jpegs',
-           'device_preprocessing', 'JpegBytes', 'collate_jpeg_bytes', 'shard_ranges', 'shard_path', 'StaleShardError',
-           'read_shard', 'describe_preprocessing', 'file_sha256', 'default_workers', 'extract', 'parse_prompts',
-           'extract_main']
+           'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
+           'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
+           'default_workers', 'extract', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import math
+import numbers
 import os
 import queue
 import shutil
@@ -28,6 +29,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -354,11 +356,28 @@ def _device_decodable(raw:bytes): # a file's bytes
     except Exception: return False  # the workers' PIL reports it, as on the CPU path
     return kind in (("JPEG", "L"), ("JPEG", "RGB")) and raw.rstrip(b"\0\r\n ").endswith(b"\xff\xd9")  # ends with its EOI marker: not truncated
 
+def worker_fraction(share): # the share of the files the workers decode on the device path, 0 to 1
+    "`share` as an exact fraction (denominator at most 1000), checked."
+    if isinstance(share, bool) or not isinstance(share, numbers.Real) or not 0 <= share <= 1:
+        raise ValueError(f"worker_share must be a number from 0 to 1, got {share!r}")
+    return Fraction(share).limit_denominator(1000)
+
+def worker_decodes(i:int, # a file's place in the folder
+                   share): # the share of the files the workers decode, 0 to 1
+    "Whether the workers decode file i on the device path: when ⌊(i+1)s⌋ > ⌊is⌋, which spreads a share s evenly over the files."
+    s = worker_fraction(share)
+    return (i + 1) * s.numerator // s.denominator > i * s.numerator // s.denominator
+
 class JpegBytes(ImageFiles):
-    "`ImageFiles` that leaves complete grey and RGB JPEG files undecoded, as bytes, for the device to decode."
+    "`ImageFiles` that leaves complete grey and RGB JPEG files undecoded, as bytes, for the device to decode, but for a share the workers decode."
+    def __init__(self, *args, # as `ImageFiles`
+                 worker_share=0, # the share of the files decoded here all the same (`worker_decodes`), to take work off the device
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.share = worker_fraction(worker_share)
     def __getitem__(self, i:int):
         "(None, the file's bytes as a uint8 tensor, "") for such a JPEG; else (image tensor, None, error), decoded here as `ImageFiles` does."
-        if is_jpeg(self.files[i]):
+        if is_jpeg(self.files[i]) and not worker_decodes(i, self.share):
             try: raw = (self.root / self.files[i]).read_bytes()
             except OSError: raw = b""
             if _device_decodable(raw): return None, torch.frombuffer(bytearray(raw), dtype=torch.uint8), ""
@@ -447,14 +466,15 @@ def file_sha256(path:str|os.PathLike): # a file, or a folder (its files' hashes,
     return h.hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
-def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False):
+def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0):
     "SHA-256 of everything that determines the numbers in the shards."
+    share = worker_fraction(worker_share)
     from proton import __version__
     root = str(folder.root)
     stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [os.stat(os.path.join(root, f))]]
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, dim=vlm.dim, image_size=list(vlm.image_size),
                preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, amp=amp,
-               decode="device" if decode_on_device else "workers", local=local, shard_size=shard_size, library_version=__version__, files=stats)
+               decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local, shard_size=shard_size, library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
@@ -500,12 +520,13 @@ def _ahead(items, # an iterable, read in a background thread
         thread.join(timeout=60)
 
 def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards:Path, header, batch_size:int,
-                  num_workers:int, local:bool, strict:bool, amp:bool, on_device:DevicePreprocess|None, bar):
+                  num_workers:int, local:bool, strict:bool, amp:bool, on_device:DevicePreprocess|None, worker_share, bar):
     "Compute and write the shards `todo`: workers decode, a thread stages batches on the device, the model encodes, a thread writes."
     cuda, encoder, shape = vlm.device.type == "cuda", _at_precision(vlm, amp), (3, *vlm.image_size)
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
     pre = _Preprocess(vlm)
-    files = (ImageFiles if on_device is None else JpegBytes)(folder.root, folder.files, pre, shape, strict, pre.pixels)
+    args = (folder.root, folder.files, pre, shape, strict, pre.pixels)
+    files = ImageFiles(*args) if on_device is None else JpegBytes(*args, worker_share=worker_share)
     loader = torch.utils.data.DataLoader(files, batch_sampler=batches, num_workers=num_workers, pin_memory=cuda,
                                          collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
     side, compute = (torch.cuda.Stream(vlm.device), torch.cuda.Stream(vlm.device)) if cuda else (None, None)
@@ -538,14 +559,17 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
 
 # %% ../../nbs/43_extract.ipynb
 def _decoding(vlm:VLM, # the model
-              decode_on_device:bool|None): # the caller's choice; None: on CUDA, when the transform is recognised
+              decode_on_device:bool|None, # the caller's choice; None: on CUDA, when the transform is recognised
+              worker_share=0): # on the device path, the share of the files the workers decode all the same
     "(`DevicePreprocess` or None, what decodes the images, why not the device or None), the last two for the cache's metadata."
     if decode_on_device is False: on_device, why = None, "decode_on_device=False"
     elif decode_on_device is None and vlm.device.type != "cuda": on_device, why = None, f"the model runs on {vlm.device.type}, not CUDA"
     else: on_device, why = device_preprocessing(vlm)
     if on_device is None and decode_on_device: warnings.warn(f"every image is decoded in the DataLoader workers: {why}", stacklevel=3)
     if on_device is None: return None, "DataLoader workers: PIL and the model's preprocess", why
-    return on_device, f"JPEG files on {vlm.device.type}: torchvision.io.decode_jpeg and tensor ops; other files in DataLoader workers: PIL and the model's preprocess", None
+    share = worker_fraction(worker_share)
+    rest = "other files" if share == 0 else "all files" if share == 1 else f"{share.numerator} in {share.denominator} files (spread evenly) and all other files"
+    return on_device, f"JPEG files on {vlm.device.type}: torchvision.io.decode_jpeg and tensor ops; {rest} in DataLoader workers: PIL and the model's preprocess", None
 
 # %% ../../nbs/43_extract.ipynb
 def _shards_to_compute(shards:Path, ranges:list, header):
@@ -608,6 +632,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             local:bool=False, # also extract (N, L, d) local embeddings for GL-MCM
             amp:bool=False, # encode under float16 autocast (faster on a GPU, less precise); False: float32
             decode_on_device:bool|None=None, # decode JPEG files on the model's device; None: when it is CUDA and the transform is recognised
+            worker_share:float=0, # on the device path, the share of the files the workers decode all the same (spread evenly), to take work off the GPU
             checkpoint:str|os.PathLike|None=None, # the weights file the model was loaded from (its name and hash go into the metadata)
             keep_shards:bool=False, # keep the shard folder after the cache is written
             strict:bool=False, # stop at the first unreadable image; False: leave unreadable images out and list them
@@ -619,15 +644,16 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     prompts, sets = resolve_prompts(prompts, folder), resolve_prompt_sets(prompt_sets, folder)
     for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
         if v is not None and (int(v) != v or v < low): raise ValueError(f"{name} must be an integer of at least {low}, got {v}")
+    worker_fraction(worker_share)
     if isinstance(vlm, str): vlm = load_vlm(vlm, checkpoint, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
     if local and not vlm.has_local: raise ValueError(f"{vlm.name} has no local (patch) features; extract without local=True")
-    on_device, decode, decode_fallback = _decoding(vlm, decode_on_device)
+    on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, worker_share)
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
     checkpoint_sha256 = None if checkpoint is None else file_sha256(checkpoint)
-    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None)
+    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, worker_share)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
     scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None else None
@@ -642,7 +668,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
                   desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
             if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
-                                   default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, bar)
+                                   default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, worker_share, bar)
         barrier()  # every shard is written
         parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
         barrier()  # every rank has read them
@@ -656,7 +682,8 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     fit = np.array(folder.shift) == "fit"
     keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
     metadata = _metadata(vlm, folder, prompts, prompt_source, checkpoint, checkpoint_sha256, local, amp)
-    metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback)
+    metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
+                     worker_share=None if on_device is None else float(worker_fraction(worker_share)))
     E = np.concatenate([p["image_embeddings"] for p in parts])
     cache = EmbeddingCache(image_embeddings=E[keep], text_embeddings=text_embeddings,
                            class_names=list(prompts), labels=folder.labels[keep], shift=list(np.array(folder.shift)[keep]),
@@ -693,6 +720,8 @@ def _parser():
     p.add_argument("--amp", action="store_true", help="encode under float16 autocast: faster on a GPU, less precise (default: float32)")
     p.add_argument("--decode-on-device", action=argparse.BooleanOptionalAction, default=None, help="decode JPEG files on the GPU "
                    "(torchvision.io.decode_jpeg; default: on CUDA, when the model's preprocessing is recognised)")
+    p.add_argument("--worker-share", type=float, default=0, help="with JPEG files decoded on the GPU: the share of the files the "
+                   "workers decode all the same, spread evenly, to take work off a busy GPU (default 0)")
     p.add_argument("--no-resume", action="store_true", help="ignore the shards of an earlier run")
     p.add_argument("--keep-shards", action="store_true", help="keep <out>.shards/ after writing the cache")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: leave it out, list it in the metadata)")
@@ -731,7 +760,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the summary line below says it
             cache = extract(vlm, args.data, prompts, prompt_sets=False if args.no_prompt_sets else args.prompt_sets, out=args.out, batch_size=args.batch_size, num_workers=args.workers,
-                            shard_size=args.shard_size, resume=not args.no_resume, local=args.local, amp=args.amp, decode_on_device=args.decode_on_device,
+                            shard_size=args.shard_size, resume=not args.no_resume, local=args.local, amp=args.amp, decode_on_device=args.decode_on_device, worker_share=args.worker_share,
                             checkpoint=args.checkpoint,
                             keep_shards=args.keep_shards, strict=args.strict, progress=not args.no_progress)
     except torch.cuda.OutOfMemoryError:

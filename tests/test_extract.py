@@ -350,6 +350,8 @@ def test_command_line_errors(data, tmp_path, capsys):
     if not torch.cuda.is_available():
         assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--device", "cuda"]) == 1
         assert "CUDA is not available" in capsys.readouterr().err
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--device", "tpu"]) == 1
+    assert capsys.readouterr().err == "proton-ood extract: error: unknown device 'tpu': use cpu, cuda or cuda:N\n"
 
 
 def test_unreadable_images_are_skipped_and_reported_or_refused_in_strict_mode(clip, tmp_path):

@@ -246,3 +246,34 @@ def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, m
     size = (tmp_path / "r.csv").stat().st_size
     assert len(write_audit(tmp_path / "r.csv", tmp_path / "a.csv")) == 0  # no committed row yet
     assert (tmp_path / "r.csv").stat().st_size == size > 0
+
+
+@pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be a positive integer, got 0"),
+                                         (dict(batch_size=2.5), "batch_size must be a positive integer, got 2.5"),
+                                         (dict(device="tpu"), "unknown device 'tpu'")])
+def test_a_bad_argument_stops_the_run_before_it_writes_a_stream(tmp_path, bad, message):
+    folder = photo_folder(tmp_path / "in", broken=())
+    with pytest.raises(ValueError, match=message):
+        score_stream(folder, tmp_path / "r.csv", "open_clip:ViT-S-32/none", "a,b", progress=False, **bad)
+    assert not (tmp_path / "r.csv").exists() and not (tmp_path / "r.csv.state.pt").exists()
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_first_run_that_scored_nothing_does_not_bind_the_next_runs_settings(tmp_path, random_vlm, monkeypatch, suffix):
+    folder, out = photo_folder(tmp_path / "in", broken=()), tmp_path / f"r{suffix}"
+    def out_of_memory(*a, **k): raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(random_vlm, "encode_images", out_of_memory)  # the first run dies in its first chunk
+    with pytest.raises(torch.cuda.OutOfMemoryError): run_images(folder, out, random_vlm)
+    assert Results(out).load()[1] == [] and out.exists()  # nothing scored, a stream begun
+    monkeypatch.undo()
+    three = dict(config=CONFIG, warmup=60, chunk_size=2, progress=False)  # other classes and warm-up: another header, other settings
+    assert score_stream(folder, out, random_vlm, "a,b,c", **three) == (7, 7)
+    score_stream(folder, tmp_path / f"fresh{suffix}", random_vlm, "a,b,c", **three)
+    assert Results(out).load()[1] == Results(tmp_path / f"fresh{suffix}").load()[1]  # the stream a fresh run gives
+    with pytest.raises(ValueError, match="other settings"): run_images(folder, out, random_vlm)  # now it holds rows: refused
+
+
+def test_a_state_without_its_results_file_is_named(tmp_path):
+    run(cache_file(tmp_path / "c.npz", 100), tmp_path / "r.csv")
+    (tmp_path / "r.csv").unlink()
+    with pytest.raises(ValueError, match="holds 0 committed rows, its state says 100"): Results(tmp_path / "r.csv").load()

@@ -46,6 +46,13 @@ def test_unknown_name_lists_the_known_ones():
     assert set(MODELS) | set(ALIASES) >= {"flair", "unimed-clip", "unimed", "quiltnet"}
 
 
+@pytest.mark.parametrize("name", ["flair", "open_clip:ViT-S-32/none"])
+def test_a_device_that_is_not_one_is_named_before_anything_loads(name):
+    with pytest.raises(ValueError, match="unknown device 'tpu': use cpu, cuda or cuda:N"): load_vlm(name, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda:1' was asked for, but CUDA is not available here"): load_vlm(name, device="cuda:1")
+
+
 def test_open_clip_attributes(clip):
     assert isinstance(clip, VLM) and clip.name == f"open_clip:{ARCH}/none"
     assert clip.image_size == (224, 224) and clip.device == torch.device("cpu")

@@ -38,7 +38,7 @@ import torch
 
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
-from . import VLM, load_vlm, prompt_ensemble
+from . import VLM, load_vlm, model_device, prompt_ensemble
 from .vlm import pixels_to_float, read_image
 
 # %% ../../nbs/43_extract.ipynb
@@ -753,9 +753,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         if args.tokenizer is not None:
             if args.model not in ("flair", "unimed-clip", "unimed"): raise ValueError(f"--tokenizer is for flair and unimed-clip, not {args.model}")
             extra["tokenizer"] = args.tokenizer
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"--device {device}, but CUDA is not available here")
-        device = _join_torchrun(device)
+        device = _join_torchrun(str(model_device(args.device)))
         vlm = load_vlm(args.model, args.checkpoint, device=device, **extra)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the summary line below says it

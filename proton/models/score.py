@@ -24,6 +24,7 @@ import torch
 
 from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
+from . import model_device
 from .extract import read_prompt_file, resolve_prompts
 from .vlm import DICOM_SUFFIXES, read_image
 
@@ -129,12 +130,18 @@ class Results:
             import pyarrow.parquet as pq
             table = pq.read_table(self.out) if self.out.exists() else None
             rows = [] if table is None else [[_text(v) for v in r.values()] for r in table.slice(0, n).to_pylist()]
+        elif not self.out.exists(): rows = []  # its stream was being discarded, or a hand removed it: the count below tells which
         else:
             if cut: os.truncate(self.out, saved["bytes"])
             with open(self.out, "rb") as f: committed = io.BytesIO(f.read(saved["bytes"]))
             rows = list(csv.reader(io.TextIOWrapper(committed, newline="")))[1:]
         if len(rows) != n: raise ValueError(f"{self.out} holds {len(rows)} committed rows, its state says {n}; it was changed by hand")
         return saved, rows
+
+    def discard(self):
+        "Remove a stream that holds no rows: the results file, then the state (a kill in between leaves a state of 0 rows, which loads)."
+        self.out.unlink(missing_ok=True)
+        self.state_path.unlink(missing_ok=True)
 
     def commit(self, state:dict, # `Monitor.state_dict()` and the run's settings, after the new rows
                columns:list, # the header
@@ -223,7 +230,8 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  strict:bool=False, # stop at the first unreadable image; False: leave it out, warn, and try it again after the next run's new images
                  progress:bool=True): # show a progress bar
     "Score the images of `source` not yet in `out`, in stream order, continuing its stream; returns (new rows, all rows)."
-    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1: raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    for name, v in (("chunk_size", chunk_size), ("batch_size", batch_size)):
+        if isinstance(v, bool) or int(v) != v or v < 1: raise ValueError(f"{name} must be a positive integer, got {v}")
     results, source = Results(out), Path(source)
     cache = source.suffix == ".npz" and source.is_file()
     if cache:
@@ -237,7 +245,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         class_names, text, temperature, model, prompt_map = list(c.class_names), c.text_embeddings, c.temperature, f"cache:{os.path.abspath(source)}", None
     else:
         if vlm is None: raise ValueError("scoring images needs a model (--model); only an embedding cache needs none")
-        paths, prompt_map = list_images(source, order), class_prompts_from(classes, prompts)
+        paths, prompt_map, device = list_images(source, order), class_prompts_from(classes, prompts), model_device(device)
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()
     settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h)
@@ -246,14 +254,13 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         if saved is not None and saved.get("format") != SCORE_FORMAT: raise ValueError(f"{results.state_path} is not a scoring state")
         if saved is not None and saved["settings"] != settings:
             diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
-            raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
+            if rows: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
+            results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
         done, unread = {r[1] for r in rows}, set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
         todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
         if not cache and todo:
             if isinstance(vlm, str):
                 from proton.models import load_vlm
-                device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-                if torch.device(device).type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"--device {device}, but CUDA is not available here")
                 vlm = load_vlm(vlm, checkpoint, device=device)
             from proton.models import prompt_ensemble
             text, temperature = prompt_ensemble(vlm, prompt_map), vlm.temperature

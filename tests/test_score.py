@@ -277,3 +277,20 @@ def test_a_state_without_its_results_file_is_named(tmp_path):
     run(cache_file(tmp_path / "c.npz", 100), tmp_path / "r.csv")
     (tmp_path / "r.csv").unlink()
     with pytest.raises(ValueError, match="holds 0 committed rows, its state says 100"): Results(tmp_path / "r.csv").load()
+
+
+def test_one_class_is_scored_with_a_warning_that_says_what_it_means(tmp_path, random_vlm):
+    folder = photo_folder(tmp_path / "in", broken=())
+    with pytest.warns(UserWarning, match="one class: .* every image passes the gate"):
+        assert score_stream(folder, tmp_path / "one.csv", random_vlm, "a", config=CONFIG, warmup=50, progress=False) == (7, 7)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # two classes: nothing to say
+        run_images(folder, tmp_path / "two.csv", random_vlm)
+
+
+def test_the_command_prints_a_warning_as_one_line(tmp_path):
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "normal", "--no-progress")
+    assert r.returncode == 0 and "scored 3 new images" in r.stdout, r.stderr
+    assert r.stderr.startswith("proton-ood score: warning: one class: ") and r.stderr.count("\n") == 1, r.stderr

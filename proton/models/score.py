@@ -270,6 +270,9 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             threshold = WarmupThreshold(warmup, id_recall)
             if reference is not None: threshold.set_reference(read_reference_scores(reference))
             monitor = Monitor(Proton(text, config, temperature=temperature), threshold, CusumDrift(drift_k, drift_h))
+            if len(class_names) == 1: warnings.warn("one class: its softmax confidence is always 1, so every image passes the gate into the bank and the "
+                                                    "score ranks images by their distance to the stream's own prototype; name two classes or more "
+                                                    "to keep OOD images out of the bank (chapter 'The detector')", stacklevel=2)
         from tqdm.auto import tqdm
         columns = row_columns(class_names)
         state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
@@ -351,8 +354,8 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
                                   args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
                                   strict=args.strict, progress=not args.no_progress)
     print(f"scored {new} new images; {args.out} holds {total}")
-    for w in caught:  # the unreadable images' line goes with the summary; any other warning is shown as usual
+    for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
         if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")
-        else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        else: print(f"proton-ood score: warning: {w.message}", file=sys.stderr)
     if args.audit: print(f"wrote {args.audit}: {len(write_audit(args.out, args.audit))} bank entries")
     return 0

@@ -87,6 +87,16 @@ def test_truncated_file_is_refused_naming_it(tmp_path, keep):
         EmbeddingCache.load(bad)
 
 
+@settings(max_examples=60, deadline=None)
+@given(raw=st.binary(max_size=64).filter(lambda b: not b.startswith((b"PK", b"\x93NUMPY"))))
+def test_a_file_that_is_no_archive_is_named_so_without_numpys_pickle_advice(tmp_path_factory, raw):
+    bad = tmp_path_factory.mktemp("junk") / "junk.npz"
+    bad.write_bytes(raw)
+    with pytest.raises(CorruptCacheError, match=r"junk\.npz: not a \.npz archive \(it does not begin as a zip file does\)") as e:
+        EmbeddingCache.load(bad)
+    assert "pickle" not in str(e.value)
+
+
 def test_flipped_byte_in_the_data_is_a_checksum_mismatch(tmp_path):
     c = small()
     raw = bytearray(c.save(tmp_path / "c.npz").read_bytes())
@@ -153,7 +163,7 @@ def test_not_a_cache(tmp_path):
     with pytest.raises(CorruptCacheError, match=r"b\.npz: missing or malformed 'header'"):
         EmbeddingCache.load(tmp_path / "b.npz")
     (tmp_path / "c.npz").write_text("hello")
-    with pytest.raises(CorruptCacheError, match=r"c\.npz: not a readable \.npz archive"):
+    with pytest.raises(CorruptCacheError, match=r"c\.npz: not a \.npz archive \(it does not begin as a zip file does\)"):
         EmbeddingCache.load(tmp_path / "c.npz")
     with pytest.raises(FileNotFoundError):
         EmbeddingCache.load(tmp_path / "missing.npz")

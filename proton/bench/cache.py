@@ -330,6 +330,8 @@ EmbeddingCache.save = _save
 def read_npz(path:Path):
     "Every array of the archive at `path`, read without pickle; `CorruptCacheError` on any failure."
     with open(path, "rb") as f:  # our own handle, closed even when numpy fails to open the archive
+        head = f.read(6); f.seek(0)
+        if not head.startswith(b"PK") and head != b"\x93NUMPY": raise CorruptCacheError(f"{path}: not a .npz archive (it does not begin as a zip file does)")
         try: data = np.load(f, allow_pickle=False)
         except Exception as e: raise CorruptCacheError(f"{path}: not a readable .npz archive, the file is truncated or corrupt ({e})") from e
         if not isinstance(data, np.lib.npyio.NpzFile): raise CorruptCacheError(f"{path}: holds a single .npy array, not a PROTON cache archive")

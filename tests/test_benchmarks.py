@@ -1,4 +1,4 @@
-"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py` and `benchmarks/extract_probe.py`.
+"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py`, `benchmarks/extract_probe.py` and `benchmarks/score.py`.
 
 Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written."""
 import json
@@ -78,3 +78,11 @@ def test_the_steady_state_is_not_charged_with_costs_of_the_first_call_in_a_proce
     monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     whole, steady = bench.end_to_end(None, tmp_path / "all", tmp_path / "half", 1000, 500, 256, 0, False, False, 1, tmp_path)
     assert steady == pytest.approx(1000, rel=1e-6) and whole == pytest.approx(1000, rel=1e-6)
+
+
+def test_score_benchmark_compares_threads_on_the_same_rows(tmp_path):
+    out = tmp_path / "score.json"
+    printed = run("score.py", "--quick", "--n", "4", "--size", "64", "--workers", "1,2", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workers"] for r in rows] == [1, 2] and rows[0]["ratio"] == 1.0  # the script asserts that both wrote the same rows
+    assert all(math.isfinite(r["images_per_s"]) and r["images_per_s"] > 0 for r in rows) and "no claim" in printed

@@ -294,3 +294,13 @@ def test_the_command_prints_a_warning_as_one_line(tmp_path):
     r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "normal", "--no-progress")
     assert r.returncode == 0 and "scored 3 new images" in r.stdout, r.stderr
     assert r.stderr.startswith("proton-ood score: warning: one class: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_images_read_in_parallel_threads_give_the_rows_of_one_thread(tmp_path, random_vlm):
+    folder = photo_folder(tmp_path / "in", n=9, broken=(4,))
+    for workers in (1, 4):
+        with pytest.warns(UserWarning, match="1 of 9 images could not be read"):
+            run_images(folder, tmp_path / f"w{workers}.csv", random_vlm, chunk_size=5, workers=workers)
+    assert (tmp_path / "w1.csv").read_text() == (tmp_path / "w4.csv").read_text()
+    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"): run_images(folder, tmp_path / "w0.csv", random_vlm, workers=0)
+    with pytest.raises(ValueError, match=r"cannot read image .*4\.png"): run_images(folder, tmp_path / "s.csv", random_vlm, workers=4, strict=True)

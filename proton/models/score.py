@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ import torch
 from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from . import model_device
-from .extract import read_prompt_file, resolve_prompts
+from .extract import default_workers, read_prompt_file, resolve_prompts
 from .vlm import DICOM_SUFFIXES, read_image
 
 # %% ../../nbs/47_score.ipynb
@@ -171,15 +172,20 @@ class UnreadableImagesWarning(UserWarning):
 
 def _readable(paths:list, # every image path of the stream
               at:list, # the positions in `paths` to read
-              strict:bool): # raise at the first unreadable image
-    "(images, the positions read, [(path, error)] of the others)."
+              strict:bool, # raise at the first unreadable image
+              prepare, # one image -> the model's (3, H, W) input: its `preprocess`
+              workers:int): # threads that read and prepare the images
+    "(the readable images' model inputs as one (n, 3, H, W) tensor, or None; the positions read; [(path, error)] of the others)."
+    def load(i):
+        try: return prepare(read_image(paths[i])), None
+        except (OSError, ValueError, SyntaxError) as e: return None, e
+    with ThreadPoolExecutor(min(workers, len(at))) as pool: loaded = list(pool.map(load, at))  # PIL and torch let go of the GIL
     images, read, failed = [], [], []
-    for i in at:
-        try: images.append(read_image(paths[i])); read.append(i)
-        except (OSError, ValueError, SyntaxError) as e:
-            if strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
-            failed.append((paths[i], e))
-    return images, read, failed
+    for i, (x, e) in zip(at, loaded):
+        if e is None: images.append(x); read.append(i)
+        elif strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
+        else: failed.append((paths[i], e))
+    return torch.stack(images) if images else None, read, failed
 
 def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float):
     "What makes a run's numbers: a later run must match it to continue the stream."
@@ -227,10 +233,12 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  device=None, # where the model runs; None: cuda if available
                  chunk_size:int=256, # images per committed chunk: the most a kill can lose
                  batch_size:int=32, # images per forward pass
+                 workers:int|None=None, # threads that read and preprocess images; None: `default_workers()`, the CPUs (at most 16)
                  strict:bool=False, # stop at the first unreadable image; False: leave it out, warn, and try it again after the next run's new images
                  progress:bool=True): # show a progress bar
     "Score the images of `source` not yet in `out`, in stream order, continuing its stream; returns (new rows, all rows)."
-    for name, v in (("chunk_size", chunk_size), ("batch_size", batch_size)):
+    workers = default_workers() if workers is None else workers
+    for name, v in (("chunk_size", chunk_size), ("batch_size", batch_size), ("workers", workers)):
         if isinstance(v, bool) or int(v) != v or v < 1: raise ValueError(f"{name} must be a positive integer, got {v}")
     results, source = Results(out), Path(source)
     cache = source.suffix == ".npz" and source.is_file()
@@ -283,9 +291,9 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                 chunk = todo[a:a + chunk_size]
                 if cache: E, read = embeddings[chunk], chunk
                 else:
-                    images, read, failed = _readable(paths, chunk, strict)
+                    images, read, failed = _readable(paths, chunk, strict, vlm.preprocess, workers)
                     skipped += failed; unread = (unread | {p for p, _ in failed}) - {paths[i] for i in read}
-                    E = vlm.encode_images(images, batch_size=batch_size) if images else None
+                    E = None if images is None else vlm.encode_images(images, batch_size=batch_size)
                 new = _rows(monitor.score(E), [paths[i] for i in read], len(rows), class_names) if read else []
                 rows += new
                 results.commit(state(), columns, rows, new)
@@ -339,6 +347,7 @@ def _parser():
     p.add_argument("--drift-h", type=float, default=5., help="CUSUM decision level, in standard deviations")
     p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk")
     p.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    p.add_argument("--workers", type=int, default=None, help="threads that read and preprocess images (default: CPUs, at most 16)")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: leave it out, say so, try it again next run)")
     p.add_argument("--audit", default=None, help="also write the bank audit (class, slot, path, index) to this CSV file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -352,7 +361,7 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
         warnings.simplefilter("always", UnreadableImagesWarning)
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
                                   args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
-                                  strict=args.strict, progress=not args.no_progress)
+                                  args.workers, strict=args.strict, progress=not args.no_progress)
     print(f"scored {new} new images; {args.out} holds {total}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
         if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")

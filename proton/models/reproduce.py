@@ -27,7 +27,7 @@ from ..bench.experiments import PAPER, REPORTED, experiment
 from ..bench.experiments.cross_domain import DOMAIN_MODELS
 from ..bench.experiments.dynamics import dynamics, trajectories
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
-from . import ALIASES, load_vlm
+from . import ALIASES, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
 from .extract import extract, file_sha256
 
@@ -75,7 +75,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
         if cache.metadata.get("model") == ALIASES.get(model, model) and covered == set(folder.files): return path, cache
         raise ValueError(f"{path} exists but was not extracted by {model} from {data}; move it away to extract afresh")
     options = ({"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}) | ({"tokenizer": tokenizer} if tokenizer else {})
-    vlm = load_vlm(model, checkpoint, device=device or ("cuda" if torch.cuda.is_available() else "cpu"), **options)
+    vlm = load_vlm(model, checkpoint, device=model_device(device), **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unreadable images are listed in the cache's metadata, and in the report
         cache = extract(vlm, data, out=path, amp=amp, local=vlm.has_local, checkpoint=checkpoint, progress=progress)
@@ -313,7 +313,7 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
     if raw["sensitivity"] and (made := _attempt("figure3b", lambda: figure3b(raw["sensitivity"], out / "figures" / "figure3b.png"), notes)):
         figures["figure3b"] = made
     protocol = asdict(PAPER_PROTOCOL) | dict(n_permutations=n_permutations)
-    metadata = dict(domains=records, protocol=protocol, versions=_versions(), device=str(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+    metadata = dict(domains=records, protocol=protocol, versions=_versions(), device=str(model_device(device)),
                     made=sorted(tables) + sorted(figures), not_made={k: v for k, v in notes.items() if v.startswith(("could not", "not made", "not run"))})
     return write_report(out, tables, figures, notes, metadata)
 

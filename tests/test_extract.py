@@ -388,6 +388,30 @@ def test_preprocessing_travels_without_the_weights(clip, data):
     assert len(pickle.dumps(pre)) < 4 * sum(p.numel() for p in clip.model.parameters()) / 50
 
 
+def test_open_clip_images_cross_as_pixels_and_are_normalised_where_the_model_runs(clip, data, tmp_path):
+    import pickle
+    pre, image = ex._Preprocess(clip), Image.open(data / "far/tench/astronaut.jpg")
+    p = pickle.loads(pickle.dumps(pre)).pixels(image)  # as a worker computes it
+    assert p.dtype == torch.uint8 and p.shape == (3, 224, 224) and pre.normalise[0][0] == pytest.approx(0.48145466)
+    assert torch.equal(ex.as_float_batch(p[None], pre.normalise)[0], clip.preprocess(image))  # bit for bit, a quarter of the bytes
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40))
+    files = ex.ImageFiles(data, ["far/tench/astronaut.jpg"], pre, (3, 224, 224), pixels=pre.pixels)
+    broken = ex.ImageFiles(tmp_path, ["broken.png"], pre, (3, 224, 224), pixels=pre.pixels)
+    batch, errors = ex.collate_images([files[0], broken[0]])
+    assert batch.dtype == torch.uint8 and errors[0] == "" and errors[1]  # an unreadable file's zeros keep the batch pixels
+
+
+@pytest.mark.parametrize("change", ["a step after Normalize", "a preprocess that is not its transform", "FLAIR-like pixels of its own"])
+def test_images_cross_as_floats_where_pixels_would_not_give_the_preprocess(clip, data, change):
+    import copy, torchvision.transforms as T
+    odd, image = copy.copy(clip), Image.open(data / "far/tench/astronaut.jpg")
+    if change == "a step after Normalize": odd.transform = T.Compose([*clip.transform.transforms, T.RandomHorizontalFlip(p=1)])
+    elif change == "a preprocess that is not its transform": odd.preprocess = lambda im: clip.preprocess(im.transpose(Image.Transpose.FLIP_LEFT_RIGHT))
+    else: odd.pixels = lambda im: None  # a backend that defines pixels decides alone
+    pre = ex._Preprocess(odd)
+    assert pre.normalise is None and pre.pixels(image) is None and torch.equal(pre(image), odd.preprocess(image))
+
+
 def test_out_of_gpu_memory_advises_a_smaller_batch(data, tmp_path, monkeypatch, capsys):
     def oom(*args, **kwargs): raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(ex, "extract", oom)

@@ -4,8 +4,8 @@
 
 # %% auto 0
 __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'PILLOW_MAJOR', 'SHARD_FORMAT', 'read_prompt_file',
-           'resolve_prompts', 'tag_prompts', 'resolve_prompt_sets', 'encode_prompt_sets', 'ImageFiles', 'stack_images',
-           'collate_images', 'as_float_batch', 'is_jpeg', 'pil_weights', 'DevicePreprocess', 'decode_jpegs',
+           'resolve_prompts', 'tag_prompts', 'resolve_prompt_sets', 'encode_prompt_sets', 'as_float_batch',
+           'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg', 'pil_weights', 'DevicePreprocess', 'decode_jpegs',
            'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
            'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
            'default_workers', 'extract', 'parse_prompts', 'extract_main']
@@ -39,7 +39,7 @@ import torch
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
 from . import VLM, load_vlm, model_device, prompt_ensemble
-from .vlm import pixels_to_float, read_image
+from .vlm import as_rgb_image, pixels_to_float, read_image
 
 # %% ../../nbs/43_extract.ipynb
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts), or text with one prompt per line
@@ -115,14 +115,56 @@ def encode_prompt_sets(vlm:VLM, # the model that encodes the prompts
                 prompt_set=[s for s, _, ps in groups for _ in ps])
 
 # %% ../../nbs/43_extract.ipynb
+@functools.lru_cache(maxsize=16)
+def _per_channel(values:tuple, # one number per channel
+                 device): # where they go
+    "(C, 1, 1) float32 tensor of `values` on `device`, made once: made anew, it would wait for the device's queue to empty."
+    return torch.tensor(values, dtype=torch.float32)[:, None, None].to(device)
+
+def as_float_batch(x:torch.Tensor, # a batch from `stack_images`, on any device
+                   normalise:tuple|None=None): # (mean, std) per channel, where the pixels stop before the model's normalisation
+    "The batch as the model's float input: pixels made floats there, and normalised if asked; floats as they are."
+    if x.dtype != torch.uint8: return x
+    x = pixels_to_float(x)
+    return x if normalise is None else (x - _per_channel(normalise[0], x.device)) / _per_channel(normalise[1], x.device)
+
+def _pixel_steps(vlm:VLM): # the model
+    "(its transform's steps before ToTensor as a Compose, Normalize's (mean, std) or None) when nothing else follows them; else (None, None)."
+    import torchvision.transforms as T
+    steps = getattr(getattr(vlm, "transform", None), "transforms", None)
+    if not isinstance(steps, (list, tuple)): return None, None
+    at = [k for k, t in enumerate(steps) if isinstance(t, T.ToTensor)]  # open_clip's MaybeToTensor is one
+    if len(at) != 1: return None, None
+    rest = steps[at[0] + 1:]
+    if len(rest) > 1 or (rest and not isinstance(rest[0], T.Normalize)): return None, None
+    return T.Compose(steps[:at[0]]), (tuple(rest[0].mean), tuple(rest[0].std)) if rest else None
+
+def _check_images():
+    "A colour image with fine detail, 300 × 200, and a grey one smaller than most models' input, 90 × 150: PIL images."
+    from PIL import Image
+    y, x = np.mgrid[0:200, 0:300]
+    rgb = np.stack([x * 255 // 299, y * 255 // 199, (x * y) % 256], -1).astype(np.uint8)
+    return [Image.fromarray(rgb), Image.fromarray(rgb[:150, :90, 0])]
+
 class _Preprocess:
-    "`vlm.preprocess` as a picklable callable that leaves the model's weights behind."
+    "`vlm.preprocess` as a picklable callable that leaves the model's weights behind; `pixels`: what may cross from the workers instead."
     def __init__(self, vlm:VLM):
         self.vlm = copy.copy(vlm)
         for k, v in vars(vlm).items():
             if isinstance(v, torch.nn.Module) and any(True for _ in v.parameters()): setattr(self.vlm, k, None)
+        own = getattr(vlm.pixels, "__func__", None) is not VLM.pixels  # a backend with pixels of its own (FLAIR) decides alone
+        self.steps, self.normalise = (None, None) if own else _pixel_steps(vlm)
+        if self.steps is not None and not self._exact(): self.steps, self.normalise = None, None
     def __call__(self, image): return self.vlm.preprocess(image)
-    def pixels(self, image): return self.vlm.pixels(image)
+    def pixels(self, image):
+        "uint8 pixels p with `as_float_batch(p, self.normalise)` exactly `preprocess(image)`, or None: the backend's, else its transform's steps before ToTensor."
+        if self.steps is None: return self.vlm.pixels(image)
+        from torchvision.transforms.functional import pil_to_tensor
+        return pil_to_tensor(self.steps(as_rgb_image(image)))
+    def _exact(self):
+        "Whether the pixels give `preprocess`, bit for bit, on the test images."
+        try: return all(torch.equal(as_float_batch(self.pixels(im)[None], self.normalise)[0], self(im)) for im in _check_images())
+        except Exception: return False  # a step that does not take or give a PIL image, say
 
 class ImageFiles(torch.utils.data.Dataset):
     "Image files, decoded and preprocessed when they are read; an unreadable one gives a zero image and its error, or raises."
@@ -131,11 +173,11 @@ class ImageFiles(torch.utils.data.Dataset):
                  preprocess, # one PIL image -> (3, H, W) float tensor
                  shape:tuple, # (3, H, W), the shape `preprocess` returns
                  strict:bool=False, # raise on an unreadable file instead of reporting it
-                 pixels=None): # one PIL image -> (3, H, W) uint8 tensor p with `pixels_to_float(p)` its preprocessed image, or None
+                 pixels=None): # one PIL image -> (3, H, W) uint8 tensor p, its preprocessed image once `as_float_batch` has made it floats, or None
         self.root, self.files, self.preprocess, self.shape, self.strict, self.pixels = Path(root), list(files), preprocess, tuple(shape), strict, pixels
     def __len__(self): return len(self.files)
     def _prepare(self, image):
-        "The image's uint8 pixels where they say it all, else its preprocessed float tensor."
+        "The image's uint8 pixels where there are some, else its preprocessed float tensor."
         p = None if self.pixels is None else self.pixels(image)
         return self.preprocess(image) if p is None else p
     def __getitem__(self, i:int):
@@ -144,7 +186,8 @@ class ImageFiles(torch.utils.data.Dataset):
         try: return self._prepare(read_image(path)), ""
         except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, ValueError (DICOM, PIL's size limit), ...
             if self.strict: raise ValueError(f"cannot read image {path}: {e}") from e
-            return torch.zeros(self.shape), f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            zeros = torch.zeros(self.shape, dtype=torch.float32 if self.pixels is None else torch.uint8)  # a pixel batch stays one
+            return zeros, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 # %% ../../nbs/43_extract.ipynb
 def stack_images(images:list): # (3, H, W) tensors: uint8 pixels or preprocessed floats
@@ -155,10 +198,6 @@ def stack_images(images:list): # (3, H, W) tensors: uint8 pixels or preprocessed
 def collate_images(items:list): # `ImageFiles` items
     "(batch of images, errors) as the DataLoader's default collation gives, but pixel batches kept uint8."
     return stack_images([x for x, _ in items]), [e for _, e in items]
-
-def as_float_batch(x:torch.Tensor): # a batch from `stack_images`, on any device
-    "The batch as the model's float input: pixels made floats there."
-    return pixels_to_float(x) if x.dtype == torch.uint8 else x
 
 # %% ../../nbs/43_extract.ipynb
 JPEG_SUFFIXES = (".jpg", ".jpeg")  # the files the device may decode, by name, compared case-insensitively
@@ -215,12 +254,6 @@ def _resize_weights(n_in:int, n_out:int, mode:str, start:int, stop:int, # as `pi
     first, w = pil_weights(n_in, n_out, mode, start, stop)
     m = torch.from_numpy(w.astype(np.float32))
     return first, m.pin_memory().to(device, non_blocking=True) if stream is not None else m.to(device)
-
-@functools.lru_cache(maxsize=16)
-def _per_channel(values:tuple, # one number per channel
-                 device): # where they go
-    "(C, 1, 1) float32 tensor of `values` on `device`, made once: made anew, it would wait for the device's queue to empty."
-    return torch.tensor(values, dtype=torch.float32)[:, None, None].to(device)
 
 def _positions(at:list, # increasing positions in a batch
                device): # where the batch is
@@ -402,12 +435,13 @@ def _assemble(batch:dict, # from `collate_jpeg_bytes`
     good = [j for j, im in enumerate(decoded) if not isinstance(im, str)]
     if len(good) == len(index): return preprocess(decoded), errors  # every file a JPEG the device decoded: nothing to put in place
     x = torch.empty((len(index), *files.shape), device=device)
-    if batch["decoded"]: x[_positions(batch["decoded"], device)] = as_float_batch(batch["images"].to(device, non_blocking=True))
+    normalise = files.preprocess.normalise
+    if batch["decoded"]: x[_positions(batch["decoded"], device)] = as_float_batch(batch["images"].to(device, non_blocking=True), normalise)
     if good: x[_positions([batch["jpeg_at"][j] for j in good], device)] = preprocess([decoded[j] for j in good])
     for j in sorted(set(range(len(decoded))) - set(good)):  # what the device cannot decode, PIL decodes or reports, as on the CPU path
         at = batch["jpeg_at"][j]
         image, errors[at] = ImageFiles.__getitem__(files, index[at])
-        x[at] = as_float_batch(image.to(device))
+        x[at] = as_float_batch(image.to(device), normalise)
     return x, errors
 
 # %% ../../nbs/43_extract.ipynb
@@ -533,7 +567,7 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
     def stage(item):  # in the background thread: the batch on the device, and an event that says when it is there
         batch, index = item
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            if on_device is None: x, failed = as_float_batch(batch[0].to(vlm.device, non_blocking=cuda)), list(batch[1])
+            if on_device is None: x, failed = as_float_batch(batch[0].to(vlm.device, non_blocking=cuda), pre.normalise), list(batch[1])
             else: x, failed = _assemble(batch, index, files, on_device, vlm.device)
             return x, failed, side.record_event() if cuda else None
     loaded = iter(loader)  # the workers start here, in this thread, before the two others

@@ -108,7 +108,13 @@ p = torch.arange(256, dtype=torch.uint8, device="'$DEV'")
 exact = torch.equal(pixels_to_float(p).cpu(), torch.from_numpy(np.arange(256, dtype=np.float32) / 255))
 a = np.random.default_rng(0).integers(0, 256, (512, 384, 3), dtype=np.uint8)
 same = torch.equal(pixels_to_float(flair_pixels(a).to("'$DEV'")).cpu(), flair_preprocess(a))
-print(f"pixels_to_float on '$DEV' equals numpy float32 p / 255 for all 256 values: {exact}; FLAIR pixels there equal flair_preprocess: {same}")'
+print(f"pixels_to_float on '$DEV' equals numpy float32 p / 255 for all 256 values: {exact}; FLAIR pixels there equal flair_preprocess: {same}")
+from PIL import Image
+from proton.models import load_vlm
+from proton.models.extract import _Preprocess, as_float_batch
+vlm = load_vlm("open_clip:ViT-B-32/none"); pre = _Preprocess(vlm); im = Image.fromarray(a)
+clip = torch.equal(as_float_batch(pre.pixels(im)[None].to("'$DEV'"), pre.normalise)[0].cpu(), vlm.preprocess(im))
+print(f"open_clip pixels normalised on '$DEV' equal the CPU preprocess, bit for bit: {clip}")'
 step "d. decode parity by file kind" 60 python3 benchmarks/decode_parity.py --device $DEV --json "$OUT/decode_parity.json"
 fi
 

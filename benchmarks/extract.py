@@ -9,7 +9,7 @@ on a CPU the numbers describe that CPU, not a GPU). Two models, with random weig
 Two decoding paths, both of `extract`: `workers` (DataLoader workers decode with PIL and run the model's preprocess) and
 `device` (`decode_on_device=True`: workers read the JPEG bytes, the model's device decodes them with
 torchvision.io.decode_jpeg and preprocesses with tensor ops; FLAIR's preprocessing has no device version, and PNG files
-always take the workers' path). `--worker-shares 0,0.25,0.4` times the device path once for each `worker_share` of `extract`:
+always take the workers' path). `--worker-shares 0,0.25,0.5` times the device path once for each `worker_share` of `extract`:
 the share of the files the workers decode all the same, to take work off the GPU. For each model and path, all in this run, on this machine:
 - forward only: `encode_images` on one preprocessed batch already on the device, in the precision of the run (float32,
   extraction's default, or float16 autocast with --amp), the encoder's ceiling;
@@ -159,7 +159,7 @@ def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, sha
     counted, t = 0, None
     for b, batch in enumerate(loader):
         index = list(range(b * batch_size, min(len(files), (b + 1) * batch_size)))
-        if on_device is None: x = as_float_batch(batch[0].to(vlm.device, non_blocking=cuda))
+        if on_device is None: x = as_float_batch(batch[0].to(vlm.device, non_blocking=cuda), pre.normalise)
         else: x, _ = _assemble(batch, index, dataset, on_device, vlm.device)
         if b + 1 == warmup_batches:  # the clock starts once the first batches are in
             sync(vlm.device)

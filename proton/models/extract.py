@@ -121,12 +121,15 @@ def _per_channel(values:tuple, # one number per channel
     "(C, 1, 1) float32 tensor of `values` on `device`, made once: made anew, it would wait for the device's queue to empty."
     return torch.tensor(values, dtype=torch.float32)[:, None, None].to(device)
 
+def _normalised(x:torch.Tensor, # (B, C, H, W) floats in 0..1
+                normalise:tuple|None): # (mean, std) per channel, or None
+    "x less the mean, over the standard deviation, per channel, as torchvision's Normalize computes it; x itself without them."
+    return x if normalise is None else (x - _per_channel(normalise[0], x.device)) / _per_channel(normalise[1], x.device)
+
 def as_float_batch(x:torch.Tensor, # a batch from `stack_images`, on any device
                    normalise:tuple|None=None): # (mean, std) per channel, where the pixels stop before the model's normalisation
     "The batch as the model's float input: pixels made floats there, and normalised if asked; floats as they are."
-    if x.dtype != torch.uint8: return x
-    x = pixels_to_float(x)
-    return x if normalise is None else (x - _per_channel(normalise[0], x.device)) / _per_channel(normalise[1], x.device)
+    return _normalised(pixels_to_float(x), normalise) if x.dtype == torch.uint8 else x
 
 def _pixel_steps(vlm:VLM): # the model
     "(its transform's steps before ToTensor as a Compose, Normalize's (mean, std) or None) when nothing else follows them; else (None, None)."
@@ -139,12 +142,21 @@ def _pixel_steps(vlm:VLM): # the model
     if len(rest) > 1 or (rest and not isinstance(rest[0], T.Normalize)): return None, None
     return T.Compose(steps[:at[0]]), (tuple(rest[0].mean), tuple(rest[0].std)) if rest else None
 
-def _check_images():
-    "A colour image with fine detail, 300 × 200, and a grey one smaller than most models' input, 90 × 150: PIL images."
+def _test_jpeg():
+    "A 300 × 200 colour JPEG as photographs are: fine detail in brightness, colour that varies smoothly; as bytes."
     from PIL import Image
     y, x = np.mgrid[0:200, 0:300]
-    rgb = np.stack([x * 255 // 299, y * 255 // 199, (x * y) % 256], -1).astype(np.uint8)
-    return [Image.fromarray(rgb), Image.fromarray(rgb[:150, :90, 0])]
+    fine = 50 * np.sin(x / 3) * np.cos(y / 2)  # the same in every channel: brightness, which JPEG keeps at full resolution
+    rgb = np.clip(np.stack([60 + x * 130 / 299 + fine, 60 + y * 130 / 199 + fine, 120 + fine], -1), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+def _check_images():
+    "`_test_jpeg` decoded, and a grey crop of it smaller than most models' input, 90 × 150: PIL images."
+    from PIL import Image
+    rgb = Image.open(io.BytesIO(_test_jpeg())).convert("RGB")
+    return [rgb, rgb.convert("L").crop((0, 0, 90, 150))]
 
 class _Preprocess:
     "`vlm.preprocess` as a picklable callable that leaves the model's weights behind; `pixels`: what may cross from the workers instead."
@@ -302,10 +314,7 @@ class DevicePreprocess:
         for k, (step, *args) in enumerate(steps):
             if step == "crop": x = center_crop(x, list(args[0]))  # nothing left to do when the resize before it computed the crop only
             else: x = self._resize(x, *args, steps[k + 1][1] if k + 1 < len(steps) and steps[k + 1][0] == "crop" else None)
-        x = x / 255
-        if self.mean is None: return x
-        mean, std = _per_channel(self.mean, x.device), _per_channel(self.std, x.device)
-        return (x - mean) / std
+        return _normalised(x / 255, None if self.mean is None else (self.mean, self.std))
 
     def __call__(self, images:list): # M (3, h_i, w_i) uint8 RGB tensors on one device, of any sizes
         "(M, 3, H, W) float tensor: what the model's preprocess gives for the same pixels, up to rounding; the host does not wait for the device."
@@ -354,16 +363,6 @@ def decode_jpegs(raw:list, # M JPEG files' bytes, as 1-D uint8 tensors on the CP
         return out
 
 # %% ../../nbs/43_extract.ipynb
-def _test_jpeg():
-    "A 300 × 200 colour JPEG as photographs are: fine detail in brightness, colour that varies smoothly; as bytes."
-    from PIL import Image
-    y, x = np.mgrid[0:200, 0:300]
-    fine = 50 * np.sin(x / 3) * np.cos(y / 2)  # the same in every channel: brightness, which JPEG keeps at full resolution
-    rgb = np.clip(np.stack([60 + x * 130 / 299 + fine, 60 + y * 130 / 199 + fine, 120 + fine], -1), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(rgb).save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()
-
 def device_preprocessing(vlm:VLM): # the model
     "(`DevicePreprocess` that reproduces `vlm.preprocess` on decoded JPEGs, "") or (None, why it cannot)."
     from PIL import Image
@@ -678,16 +677,16 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     prompts, sets = resolve_prompts(prompts, folder), resolve_prompt_sets(prompt_sets, folder)
     for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
         if v is not None and (int(v) != v or v < low): raise ValueError(f"{name} must be an integer of at least {low}, got {v}")
-    worker_fraction(worker_share)
+    share = worker_fraction(worker_share)
     if isinstance(vlm, str): vlm = load_vlm(vlm, checkpoint, device=model_device(device))
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
     if local and not vlm.has_local: raise ValueError(f"{vlm.name} has no local (patch) features; extract without local=True")
-    on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, worker_share)
+    on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, share)
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
     checkpoint_sha256 = None if checkpoint is None else file_sha256(checkpoint)
-    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, worker_share)
+    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
     scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None else None
@@ -702,7 +701,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
                   desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
             if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
-                                   default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, worker_share, bar)
+                                   default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
         barrier()  # every shard is written
         parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
         barrier()  # every rank has read them
@@ -717,7 +716,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
     metadata = _metadata(vlm, folder, prompts, prompt_source, checkpoint, checkpoint_sha256, local, amp)
     metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
-                     worker_share=None if on_device is None else float(worker_fraction(worker_share)))
+                     worker_share=None if on_device is None else float(share))
     E = np.concatenate([p["image_embeddings"] for p in parts])
     cache = EmbeddingCache(image_embeddings=E[keep], text_embeddings=text_embeddings,
                            class_names=list(prompts), labels=folder.labels[keep], shift=list(np.array(folder.shift)[keep]),

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from ..bench.cache import EmbeddingCache
 from ..bench.evaluation import PAPER_PROTOCOL, import_pandas

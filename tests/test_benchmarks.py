@@ -1,4 +1,4 @@
-"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py`, `benchmarks/extract_probe.py` and `benchmarks/score.py`.
+"""The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py`, `benchmarks/extract_probe.py`, `benchmarks/score.py` and `benchmarks/score_files.py`.
 
 Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written."""
 import json
@@ -86,3 +86,12 @@ def test_score_benchmark_compares_threads_on_the_same_rows(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["workers"] for r in rows] == [1, 2] and rows[0]["ratio"] == 1.0  # the script asserts that both wrote the same rows
     assert all(math.isfinite(r["images_per_s"]) and r["images_per_s"] > 0 for r in rows) and "no claim" in printed
+
+
+def test_results_file_benchmark_times_both_formats_on_the_same_rows(tmp_path):
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "files.json"
+    printed = run("score_files.py", "--quick", "--n", "100,300", "--chunk-size", "64", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["n"] for r in rows] == [100, 300] and "no claim" in printed  # the script asserts that both files hold the same rows
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["csv_s"] > 0 for r in rows)

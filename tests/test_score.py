@@ -88,6 +88,60 @@ def test_parquet_holds_the_rows_of_the_csv(tmp_path):
     assert run(cache_file(tmp_path / "c.npz"), tmp_path / "r.parquet") == (N - 300, N)
 
 
+def test_a_run_writes_its_parquet_file_once_not_once_a_chunk(tmp_path, monkeypatch):
+    "A Parquet file cannot be appended to; rewritten whole at every chunk, a stream of n images cost time in n squared."
+    pq = pytest.importorskip("pyarrow.parquet")
+    writes, write_table = [], pq.write_table
+    monkeypatch.setattr(pq, "write_table", lambda table, where, **kw: (writes.append(table.num_rows), write_table(table, where, **kw))[1])
+    run(cache_file(tmp_path / "c.npz", 300), tmp_path / "r.parquet")  # five chunks of 64
+    assert writes[-1] == 300 and len(writes) <= 2, writes  # when the stream begins, and when the run ends
+    writes.clear()
+    assert run(cache_file(tmp_path / "c.npz"), tmp_path / "r.parquet") == (N - 300, N)  # seven chunks more
+    assert writes == [N]
+
+
+def parquet_rows(path):
+    import pandas as pd
+    return pd.read_parquet(path)
+
+
+@pytest.mark.parametrize("k", [0, 4, 10, 11])
+def test_a_killed_parquet_run_resumes_to_identical_results(tmp_path, monkeypatch, k):
+    "Killed after the start and k chunks (k = 11: after the last chunk, while the file is rewritten): the next run ends with the same file."
+    pytest.importorskip("pyarrow")
+    import pandas as pd
+    cache = cache_file(tmp_path / "c.npz")
+    run(cache, tmp_path / "once.parquet")
+    calls = []
+    def dying(state, path):
+        if len(calls) == k + 1: raise KeyboardInterrupt("killed")
+        calls.append(path); return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache, tmp_path / "killed.parquet")
+    monkeypatch.setattr(score_module, "save_state", save_state)
+    assert len(Results(tmp_path / "killed.parquet").load()[1]) == min(64 * k, N)
+    assert run(cache, tmp_path / "killed.parquet") == (N - min(64 * k, N), N)
+    pd.testing.assert_frame_equal(parquet_rows(tmp_path / "killed.parquet"), parquet_rows(tmp_path / "once.parquet"))
+
+
+def test_a_parquet_run_killed_before_its_file_was_rewritten_is_completed_by_the_next(tmp_path, monkeypatch):
+    "Every row committed, the file not yet rewritten: the next run has no new image and still writes the file."
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pandas as pd
+    cache = cache_file(tmp_path / "c.npz", 300)
+    run(cache, tmp_path / "once.parquet")
+    write_table = pq.write_table
+    def dying(table, where, **kw):
+        if table.num_rows: raise KeyboardInterrupt("killed")
+        return write_table(table, where, **kw)
+    monkeypatch.setattr(pq, "write_table", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache, tmp_path / "killed.parquet")
+    monkeypatch.setattr(pq, "write_table", write_table)
+    assert len(Results(tmp_path / "killed.parquet").load()[1]) == 300  # committed, though not yet in the file
+    assert run(cache, tmp_path / "killed.parquet") == (0, 300)
+    pd.testing.assert_frame_equal(parquet_rows(tmp_path / "killed.parquet"), parquet_rows(tmp_path / "once.parquet"))
+
+
 def test_other_settings_are_refused(tmp_path):
     cache = cache_file(tmp_path / "c.npz", 100)
     run(cache, tmp_path / "r.csv")
@@ -264,7 +318,7 @@ def test_a_first_run_that_scored_nothing_does_not_bind_the_next_runs_settings(tm
     def out_of_memory(*a, **k): raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(random_vlm, "encode_images", out_of_memory)  # the first run dies in its first chunk
     with pytest.raises(torch.cuda.OutOfMemoryError): run_images(folder, out, random_vlm)
-    assert Results(out).load()[1] == [] and out.exists()  # nothing scored, a stream begun
+    assert Results(out).load()[1] == [] and Results(out).state_path.exists()  # nothing scored, a stream begun
     monkeypatch.undo()
     three = dict(config=CONFIG, warmup=60, chunk_size=2, progress=False)  # other classes and warm-up: another header, other settings
     assert score_stream(folder, out, random_vlm, "a,b,c", **three) == (7, 7)
@@ -304,3 +358,13 @@ def test_images_read_in_parallel_threads_give_the_rows_of_one_thread(tmp_path, r
     assert (tmp_path / "w1.csv").read_text() == (tmp_path / "w4.csv").read_text()
     with pytest.raises(ValueError, match="workers must be a positive integer, got 0"): run_images(folder, tmp_path / "w0.csv", random_vlm, workers=0)
     with pytest.raises(ValueError, match=r"cannot read image .*4\.png"): run_images(folder, tmp_path / "s.csv", random_vlm, workers=4, strict=True)
+
+
+def test_the_summary_counts_one_image_in_the_singular(tmp_path, capsys):
+    from proton.models.score import score_main
+    cache, out = cache_file(tmp_path / "c.npz", 1), tmp_path / "r.csv"
+    assert score_main([str(cache), "--out", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"scored 1 new image; {out} holds 1"
+    cache_file(tmp_path / "c.npz", 3)
+    assert score_main([str(cache), "--out", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"scored 2 new images; {out} holds 3"

@@ -102,13 +102,15 @@ class Results:
     "The results file (CSV, or Parquet with pyarrow) and the monitor state beside it, committed together one chunk at a time."
     def __init__(self, out:str|os.PathLike): # results file: .csv, or .parquet
         self.out = Path(out)
-        self.state_path, self.lock_path = self.out.with_name(self.out.name + ".state.pt"), self.out.with_name(self.out.name + ".lock")
-        self.parquet = self.out.suffix.lower() == ".parquet"
+        beside = lambda suffix: self.out.with_name(self.out.name + suffix)
+        self.state_path, self.lock_path, self.journal = beside(".state.pt"), beside(".lock"), beside(".journal")
+        self.parquet, self.saved = self.out.suffix.lower() == ".parquet", None
         if self.parquet:
             try: import pyarrow, pyarrow.parquet
             except ImportError: raise ImportError(f"writing {self.out.name} needs pyarrow: pip install pyarrow, or write a .csv file") from None
         elif self.out.suffix.lower() != ".csv": raise ValueError(f"the results file must end in .csv or .parquet, got {self.out.name}")
         if not self.out.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {self.out.parent} is not a folder")
+        self.appended = self.journal if self.parquet else self.out  # the file a chunk's rows are appended to
 
     @contextlib.contextmanager
     def lock(self):
@@ -121,48 +123,57 @@ class Results:
             yield
 
     def load(self, cut:bool=False): # also cut off rows beyond the committed ones (a killed run's), as a run that appends must
-        "(saved state or None, committed rows as lists of strings)."
+        "(saved state or None, committed rows as lists of strings): a Parquet file's first `stored` rows, then what was appended."
         if not self.state_path.exists():
             if self.out.exists(): raise ValueError(f"{self.out} exists but its state {self.state_path.name} does not; move it away or choose another --out")
             return None, []
         saved = torch_load_safely(self.state_path, "a scoring state")
-        n = saved["rows"]
-        if self.parquet:
+        saved["stored"] = saved.get("stored", saved["rows"] if self.parquet else 0)  # a state from before the journal: its Parquet file held every row
+        rows = []
+        if self.parquet and saved["stored"] and self.out.exists():
             import pyarrow.parquet as pq
-            table = pq.read_table(self.out) if self.out.exists() else None
-            rows = [] if table is None else [[_text(v) for v in r.values()] for r in table.slice(0, n).to_pylist()]
-        elif not self.out.exists(): rows = []  # its stream was being discarded, or a hand removed it: the count below tells which
-        else:
-            if cut: os.truncate(self.out, saved["bytes"])
-            with open(self.out, "rb") as f: committed = io.BytesIO(f.read(saved["bytes"]))
-            rows = list(csv.reader(io.TextIOWrapper(committed, newline="")))[1:]
-        if len(rows) != n: raise ValueError(f"{self.out} holds {len(rows)} committed rows, its state says {n}; it was changed by hand")
+            rows = [[_text(v) for v in r.values()] for r in pq.read_table(self.out).slice(0, saved["stored"]).to_pylist()]
+        if self.appended.exists():  # else its stream was being discarded, or a hand removed it: the count below tells which
+            if cut and self.appended.stat().st_size > saved["bytes"]: os.truncate(self.appended, saved["bytes"])
+            with open(self.appended, "rb") as f: committed = io.BytesIO(f.read(saved["bytes"]))
+            rows += list(csv.reader(io.TextIOWrapper(committed, encoding="utf-8", newline="")))[0 if self.parquet else 1:]
+        if len(rows) != saved["rows"]: raise ValueError(f"{self.out} holds {len(rows)} committed rows, its state says {saved['rows']}; it was changed by hand")
+        self.saved = saved
         return saved, rows
 
     def discard(self):
-        "Remove a stream that holds no rows: the results file, then the state (a kill in between leaves a state of 0 rows, which loads)."
-        self.out.unlink(missing_ok=True)
+        "Remove a stream that holds no rows: the results, then the state (a kill in between leaves a state of 0 rows, which loads)."
+        self.out.unlink(missing_ok=True); self.journal.unlink(missing_ok=True)
         self.state_path.unlink(missing_ok=True)
+        self.saved = None
+
+    def _save(self, state:dict):
+        save_state(state, self.state_path); self.saved = state
 
     def commit(self, state:dict, # `Monitor.state_dict()` and the run's settings, after the new rows
                columns:list, # the header
-               rows:list, # every row so far, for Parquet
-               new:list): # the rows of this chunk, for CSV
-        "Write the chunk's rows, then the state that counts them: a kill in between leaves rows the next run cuts off."
-        if self.parquet:
-            import pyarrow as pa, pyarrow.parquet as pq
-            tmp = self.out.with_name(f".{self.out.name}.tmp")
-            pq.write_table(pa.table({c: [_typed(c, r[j]) for r in rows] for j, c in enumerate(columns)}), tmp)
-            os.replace(tmp, self.out); size = 0
-        else:
-            fresh = not self.out.exists()
-            with open(self.out, "a", newline="") as f:
-                w = csv.writer(f, lineterminator="\n")
-                if fresh: w.writerow(columns)
-                w.writerows(new)
-                f.flush(); os.fsync(f.fileno())
-                size = f.tell()
-        save_state(state | dict(rows=len(rows), bytes=size), self.state_path)
+               rows:list, # every row so far
+               new:list): # the rows of this chunk
+        "Append the chunk's rows to the CSV file (or the Parquet file's journal) and flush them to disk, then save the state that counts them."
+        with open(self.appended, "a", encoding="utf-8", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            if not self.parquet and f.tell() == 0: w.writerow(columns)
+            w.writerows(new)
+            f.flush(); os.fsync(f.fileno())
+            size = f.tell()
+        self._save(state | dict(rows=len(rows), bytes=size, stored=self.saved["stored"] if self.saved else 0))
+
+    def finish(self, columns:list, # the header
+               rows:list): # every committed row
+        "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to), then empty the journal."
+        if not self.parquet or (self.out.exists() and self.saved["stored"] == len(rows)): return
+        import pyarrow as pa, pyarrow.parquet as pq
+        tmp = self.out.with_name(f".{self.out.name}.tmp")
+        kind = lambda c: pa.float64() if c in _FLOATS else pa.bool_() if c in _BOOLS else pa.int64() if c == "index" or c.startswith("bank:") else pa.string()
+        pq.write_table(pa.table({c: pa.array([_typed(c, r[j]) for r in rows], kind(c)) for j, c in enumerate(columns)}), tmp)
+        os.replace(tmp, self.out)
+        self._save(self.saved | dict(bytes=0, stored=len(rows)))  # a kill before this line: the rows are read from the journal, as committed
+        os.truncate(self.journal, 0)
 
 # %% ../../nbs/47_score.ipynb
 SCORE_FORMAT = "proton-score-1"
@@ -264,6 +275,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
             if rows: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
             results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
+        columns = row_columns(class_names)
         done, unread = {r[1] for r in rows}, set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
         todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
         if not cache and todo:
@@ -272,7 +284,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                 vlm = load_vlm(vlm, checkpoint, device=device)
             from proton.models import prompt_ensemble
             text, temperature = prompt_ensemble(vlm, prompt_map), vlm.temperature
-        if not todo: return 0, len(rows)
+        if not todo: results.finish(columns, rows); return 0, len(rows)  # a run killed before it wrote its Parquet file
         if saved is not None: monitor = Monitor.from_state_dict(saved["monitor"])
         else:
             threshold = WarmupThreshold(warmup, id_recall)
@@ -282,7 +294,6 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                                                     "score ranks images by their distance to the stream's own prototype; name two classes or more "
                                                     "to keep OOD images out of the bank (chapter 'The detector')", stacklevel=2)
         from tqdm.auto import tqdm
-        columns = row_columns(class_names)
         state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
         if saved is None: results.commit(state(), columns, [], [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
         skipped = []
@@ -298,6 +309,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                 rows += new
                 results.commit(state(), columns, rows, new)
                 bar.update(len(chunk))
+        results.finish(columns, rows)
         if skipped:
             if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
             one = len(skipped) == 1
@@ -330,7 +342,7 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
 def _parser():
     p = argparse.ArgumentParser(prog="proton-ood score", description="Score your own images (or an embedding cache) as one stream, resumably.")
     p.add_argument("source", help="an image folder (searched recursively, hidden files left out), a file list (one path a line), or an embedding cache (.npz)")
-    p.add_argument("--out", required=True, help="results file, .csv (or .parquet with pyarrow); the state goes to <out>.state.pt")
+    p.add_argument("--out", required=True, help="results file, .csv (or .parquet with pyarrow, rewritten at the end of a run); the state goes to <out>.state.pt")
     p.add_argument("--model", default=None, help="flair, unimed-clip, quiltnet, or open_clip:<arch>/<pretrained>; not for a cache")
     p.add_argument("--checkpoint", default=None, help="local weights file (or folder) of the model")
     p.add_argument("--classes", default=None, help="comma-separated class names, in label order")
@@ -362,7 +374,7 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
                                   args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
                                   args.workers, strict=args.strict, progress=not args.no_progress)
-    print(f"scored {new} new images; {args.out} holds {total}")
+    print(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
         if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")
         else: print(f"proton-ood score: warning: {w.message}", file=sys.stderr)

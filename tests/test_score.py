@@ -142,6 +142,20 @@ def test_a_parquet_run_killed_before_its_file_was_rewritten_is_completed_by_the_
     pd.testing.assert_frame_equal(parquet_rows(tmp_path / "killed.parquet"), parquet_rows(tmp_path / "once.parquet"))
 
 
+def test_a_reader_that_loaded_the_state_before_the_parquet_file_was_rewritten_finds_every_row(tmp_path, monkeypatch):
+    "`write_audit` in another process may read the state just before a run rewrites the file, and the journal just after."
+    pytest.importorskip("pyarrow")
+    from proton.deploy import torch_load_safely
+    cache, out, before = cache_file(tmp_path / "c.npz", 300), tmp_path / "r.parquet", []
+    finish = Results.finish
+    def spy(self, columns, rows):
+        before.append(torch_load_safely(self.state_path, "a scoring state")); finish(self, columns, rows)
+    monkeypatch.setattr(Results, "finish", spy)
+    run(cache, out)
+    monkeypatch.setattr(score_module, "torch_load_safely", lambda path, what: dict(before[-1]))
+    assert len(Results(out).load()[1]) == 300
+
+
 def test_other_settings_are_refused(tmp_path):
     cache = cache_file(tmp_path / "c.npz", 100)
     run(cache, tmp_path / "r.csv")

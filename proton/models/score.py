@@ -165,7 +165,7 @@ class Results:
 
     def finish(self, columns:list, # the header
                rows:list): # every committed row
-        "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to), then empty the journal."
+        "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to); the next run empties the journal."
         if not self.parquet or (self.out.exists() and self.saved["stored"] == len(rows)): return
         import pyarrow as pa, pyarrow.parquet as pq
         tmp = self.out.with_name(f".{self.out.name}.tmp")
@@ -173,7 +173,7 @@ class Results:
         pq.write_table(pa.table({c: pa.array([_typed(c, r[j]) for r in rows], kind(c)) for j, c in enumerate(columns)}), tmp)
         os.replace(tmp, self.out)
         self._save(self.saved | dict(bytes=0, stored=len(rows)))  # a kill before this line: the rows are read from the journal, as committed
-        os.truncate(self.journal, 0)
+        # the journal keeps its bytes until the next run cuts it: a reader that loaded the previous state still finds them
 
 # %% ../../nbs/47_score.ipynb
 SCORE_FORMAT = "proton-score-1"

@@ -95,3 +95,4 @@ def test_results_file_benchmark_times_both_formats_on_the_same_rows(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["n"] for r in rows] == [100, 300] and "no claim" in printed  # the script asserts that both files hold the same rows
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["csv_s"] > 0 for r in rows)
+    assert all(r[f"{kind}_{what}"] > 0 for r in rows for kind in ("csv", "parquet") for what in ("one_more_s", "read_all_mib", "read_paths_mib"))

@@ -12,7 +12,7 @@ import proton.models.score as score_module
 from proton.bench import EmbeddingCache, SyntheticWorld
 from proton.deploy import Monitor, save_state
 from proton.detector import ProtonConfig
-from proton.models.score import Results, score_stream, write_audit
+from proton.models.score import Results, row_columns, score_stream, write_audit
 
 CONFIG = ProtonConfig(bank_size=20)
 N = 700  # 400 ID images and 100 of each of the three shifts
@@ -148,12 +148,31 @@ def test_a_reader_that_loaded_the_state_before_the_parquet_file_was_rewritten_fi
     from proton.deploy import torch_load_safely
     cache, out, before = cache_file(tmp_path / "c.npz", 300), tmp_path / "r.parquet", []
     finish = Results.finish
-    def spy(self, columns, rows):
-        before.append(torch_load_safely(self.state_path, "a scoring state")); finish(self, columns, rows)
+    def spy(self, *args):
+        before.append(torch_load_safely(self.state_path, "a scoring state")); finish(self, *args)
     monkeypatch.setattr(Results, "finish", spy)
     run(cache, out)
     monkeypatch.setattr(score_module, "torch_load_safely", lambda path, what: dict(before[-1]))
     assert len(Results(out).load()[1]) == 300
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_loading_some_columns_gives_those_columns_of_every_committed_row(tmp_path, monkeypatch, suffix):
+    "A run reads only the paths of the rows before it; from the file and from the journal alike, and not beyond the committed rows."
+    if suffix == ".parquet": pytest.importorskip("pyarrow")
+    out = tmp_path / f"r{suffix}"
+    run(cache_file(tmp_path / "c.npz", 300), out)
+    def dying(state, path):
+        if state["rows"] > 428: raise KeyboardInterrupt("killed")  # this chunk's rows are on disk, its state is not
+        return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache_file(tmp_path / "c.npz"), out)  # 300 rows in the file, 128 more committed, 64 beyond
+    monkeypatch.undo()
+    rows = Results(out).load()[1]
+    assert len(rows) == 428
+    for columns in (["path"], ["bank:class 1", "index", "score"]):
+        j = [row_columns(["class 0", "class 1"]).index(c) for c in columns]
+        assert Results(out).load(columns=columns)[1] == [[r[k] for k in j] for r in rows]
 
 
 def test_other_settings_are_refused(tmp_path):

@@ -122,21 +122,31 @@ class Results:
             except BlockingIOError: raise ValueError(f"another run is writing {self.out} (it holds {self.lock_path.name}); wait for it to end, or choose another --out") from None
             yield
 
-    def load(self, cut:bool=False): # also cut off rows beyond the committed ones (a killed run's), as a run that appends must
+    def _appended(self, saved:dict, cut:bool):
+        "The committed rows appended to the CSV file (after its header) or to the journal, one list of strings at a time."
+        if not self.appended.exists(): return  # its stream was being discarded, or a hand removed it: the count tells which
+        if cut and self.appended.stat().st_size > saved["bytes"]: os.truncate(self.appended, saved["bytes"])
+        with open(self.appended, "rb") as f: committed = io.BytesIO(f.read(saved["bytes"]))
+        rows = csv.reader(io.TextIOWrapper(committed, encoding="utf-8", newline=""))
+        if not self.parquet: next(rows, None)  # the header
+        yield from rows
+
+    def load(self, cut:bool=False, # also cut off rows beyond the committed ones (a killed run's), as a run that appends must
+             columns:list|None=None): # names of the columns to keep, e.g. ["path"]; None: all, in `row_columns` order
         "(saved state or None, committed rows as lists of strings): a Parquet file's first `stored` rows, then what was appended."
         if not self.state_path.exists():
             if self.out.exists(): raise ValueError(f"{self.out} exists but its state {self.state_path.name} does not; move it away or choose another --out")
             return None, []
         saved = torch_load_safely(self.state_path, "a scoring state")
         saved["stored"] = saved.get("stored", saved["rows"] if self.parquet else 0)  # a state from before the journal: its Parquet file held every row
+        names = row_columns(saved["settings"]["classes"])
+        keep = [names.index(c) for c in columns] if columns is not None else list(range(len(names)))
         rows = []
         if self.parquet and saved["stored"] and self.out.exists():
             import pyarrow.parquet as pq
-            rows = [[_text(v) for v in r.values()] for r in pq.read_table(self.out).slice(0, saved["stored"]).to_pylist()]
-        if self.appended.exists():  # else its stream was being discarded, or a hand removed it: the count below tells which
-            if cut and self.appended.stat().st_size > saved["bytes"]: os.truncate(self.appended, saved["bytes"])
-            with open(self.appended, "rb") as f: committed = io.BytesIO(f.read(saved["bytes"]))
-            rows += list(csv.reader(io.TextIOWrapper(committed, encoding="utf-8", newline="")))[0 if self.parquet else 1:]
+            table = pq.read_table(self.out, columns=[names[j] for j in keep]).slice(0, saved["stored"])
+            rows = [list(map(_text, r)) for r in zip(*(c.to_pylist() for c in table.columns))]
+        rows += [[r[j] for j in keep] for r in self._appended(saved, cut)]
         if len(rows) != saved["rows"]: raise ValueError(f"{self.out} holds {len(rows)} committed rows, its state says {saved['rows']}; it was changed by hand")
         self.saved = saved
         return saved, rows
@@ -152,7 +162,7 @@ class Results:
 
     def commit(self, state:dict, # `Monitor.state_dict()` and the run's settings, after the new rows
                columns:list, # the header
-               rows:list, # every row so far
+               n:int, # rows committed with this chunk's, from the stream's first
                new:list): # the rows of this chunk
         "Append the chunk's rows to the CSV file (or the Parquet file's journal) and flush them to disk, then save the state that counts them."
         with open(self.appended, "a", encoding="utf-8", newline="") as f:
@@ -161,18 +171,20 @@ class Results:
             w.writerows(new)
             f.flush(); os.fsync(f.fileno())
             size = f.tell()
-        self._save(state | dict(rows=len(rows), bytes=size, stored=self.saved["stored"] if self.saved else 0))
+        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"] if self.saved else 0))
 
-    def finish(self, columns:list, # the header
-               rows:list): # every committed row
+    def finish(self, columns:list): # the header
         "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to); the next run empties the journal."
-        if not self.parquet or (self.out.exists() and self.saved["stored"] == len(rows)): return
+        if not self.parquet or (self.out.exists() and self.saved["stored"] == self.saved["rows"]): return
         import pyarrow as pa, pyarrow.parquet as pq
-        tmp = self.out.with_name(f".{self.out.name}.tmp")
         kind = lambda c: pa.float64() if c in _FLOATS else pa.bool_() if c in _BOOLS else pa.int64() if c == "index" or c.startswith("bank:") else pa.string()
-        pq.write_table(pa.table({c: pa.array([_typed(c, r[j]) for r in rows], kind(c)) for j, c in enumerate(columns)}), tmp)
+        schema, new = pa.schema([(c, kind(c)) for c in columns]), list(self._appended(self.saved, cut=False))
+        parts = [pq.read_table(self.out).slice(0, self.saved["stored"]).cast(schema)] if self.saved["stored"] else []  # cast: a file written before the types were fixed
+        parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], kind(c)) for j, c in enumerate(columns)], schema=schema))
+        tmp = self.out.with_name(f".{self.out.name}.tmp")
+        pq.write_table(pa.concat_tables(parts), tmp)
         os.replace(tmp, self.out)
-        self._save(self.saved | dict(bytes=0, stored=len(rows)))  # a kill before this line: the rows are read from the journal, as committed
+        self._save(self.saved | dict(bytes=0, stored=self.saved["rows"]))  # a kill before this line: the rows are read from the journal, as committed
         # the journal keeps its bytes until the next run cuts it: a reader that loaded the previous state still finds them
 
 # %% ../../nbs/47_score.ipynb
@@ -269,14 +281,15 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
     config = config or ProtonConfig()
     settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h)
     with results.lock():
-        saved, rows = results.load(cut=True)
+        saved, committed = results.load(cut=True, columns=["path"])  # only the paths: a long stream's rows stay on disk
+        done, n = {p for p, in committed}, len(committed)
         if saved is not None and saved.get("format") != SCORE_FORMAT: raise ValueError(f"{results.state_path} is not a scoring state")
         if saved is not None and saved["settings"] != settings:
             diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
-            if rows: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
+            if n: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
             results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
         columns = row_columns(class_names)
-        done, unread = {r[1] for r in rows}, set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
+        unread = set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
         todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
         if not cache and todo:
             if isinstance(vlm, str):
@@ -284,7 +297,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                 vlm = load_vlm(vlm, checkpoint, device=device)
             from proton.models import prompt_ensemble
             text, temperature = prompt_ensemble(vlm, prompt_map), vlm.temperature
-        if not todo: results.finish(columns, rows); return 0, len(rows)  # a run killed before it wrote its Parquet file
+        if not todo: results.finish(columns); return 0, n  # a run killed before it wrote its Parquet file
         if saved is not None: monitor = Monitor.from_state_dict(saved["monitor"])
         else:
             threshold = WarmupThreshold(warmup, id_recall)
@@ -295,7 +308,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                                                     "to keep OOD images out of the bank (chapter 'The detector')", stacklevel=2)
         from tqdm.auto import tqdm
         state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
-        if saved is None: results.commit(state(), columns, [], [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
+        if saved is None: results.commit(state(), columns, 0, [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
         skipped = []
         with tqdm(total=len(todo), unit="img", desc="score", disable=not progress) as bar:
             for a in range(0, len(todo), chunk_size):
@@ -305,17 +318,17 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                     images, read, failed = _readable(paths, chunk, strict, vlm.preprocess, workers)
                     skipped += failed; unread = (unread | {p for p, _ in failed}) - {paths[i] for i in read}
                     E = None if images is None else vlm.encode_images(images, batch_size=batch_size)
-                new = _rows(monitor.score(E), [paths[i] for i in read], len(rows), class_names) if read else []
-                rows += new
-                results.commit(state(), columns, rows, new)
+                new = _rows(monitor.score(E), [paths[i] for i in read], n, class_names) if read else []
+                n += len(new)
+                results.commit(state(), columns, n, new)
                 bar.update(len(chunk))
-        results.finish(columns, rows)
+        results.finish(columns)
         if skipped:
-            if not rows: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
+            if not n: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
             one = len(skipped) == 1
             warnings.warn(f"{len(skipped)} of {len(todo)} image{'s' * (len(todo) > 1)} could not be read and {'was' if one else 'were'} left out; "
                           f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", UnreadableImagesWarning, stacklevel=2)
-        return len(todo) - len(skipped), len(rows)
+        return len(todo) - len(skipped), n
 
 # %% ../../nbs/47_score.ipynb
 def audit_rows(rows:list, # result rows, as lists of strings in `row_columns` order, from the stream's first image

@@ -160,6 +160,10 @@ class Results:
     def _save(self, state:dict):
         save_state(state, self.state_path); self.saved = state
 
+    def begin(self, state:dict): # `Monitor.state_dict()` and the run's settings, before the first image
+        "Start a stream with a state of 0 rows; the first chunk writes the header (a state written after it would leave, if killed between, a file without a state)."
+        self._save(state | dict(rows=0, bytes=0, stored=0))
+
     def commit(self, state:dict, # `Monitor.state_dict()` and the run's settings, after the new rows
                columns:list, # the header
                n:int, # rows committed with this chunk's, from the stream's first
@@ -308,7 +312,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                                                     "to keep OOD images out of the bank (chapter 'The detector')", stacklevel=2)
         from tqdm.auto import tqdm
         state = lambda: dict(format=SCORE_FORMAT, settings=settings, monitor=monitor.state_dict(), unreadable=sorted(unread))
-        if saved is None: results.commit(state(), columns, 0, [])  # the header, and a state of 0 rows: a kill in the first chunk resumes too
+        if saved is None: results.begin(state())  # a state of 0 rows before any file: a kill from here on resumes
         skipped = []
         with tqdm(total=len(todo), unit="img", desc="score", disable=not progress) as bar:
             for a in range(0, len(todo), chunk_size):

@@ -87,11 +87,16 @@ def _rows(r, paths:list, start:int, class_names:list):
 # %% ../../nbs/47_score.ipynb
 _FLOATS, _BOOLS = {"score", "threshold", "confidence", "alpha", "base", "proto", "drift"}, {"flag", "calibrated", "enqueued", "alarm"}
 
+def _kind(column:str):
+    "The type of a column's values: float, bool, int or str."
+    return "float" if column in _FLOATS else "bool" if column in _BOOLS else "int" if column == "index" or column.startswith("bank:") else "str"
+
 def _typed(column:str, text:str):
     "A row's text as the Parquet value of its column: int, float (None when empty), bool or str."
-    if column in _FLOATS: return float(text) if text else None
-    if column in _BOOLS: return text == "True"
-    return int(text) if column == "index" or column.startswith("bank:") else text
+    kind = _kind(column)
+    if kind == "float": return float(text) if text else None
+    if kind == "bool": return text == "True"
+    return int(text) if kind == "int" else text
 
 def _text(value):
     "A Parquet value back as the row's text, as the CSV writes it."
@@ -175,16 +180,16 @@ class Results:
             w.writerows(new)
             f.flush(); os.fsync(f.fileno())
             size = f.tell()
-        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"] if self.saved else 0))
+        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"]))  # `begin` or `load` saw the state before
 
     def finish(self, columns:list): # the header
         "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to); the next run empties the journal."
         if not self.parquet or (self.out.exists() and self.saved["stored"] == self.saved["rows"]): return
         import pyarrow as pa, pyarrow.parquet as pq
-        kind = lambda c: pa.float64() if c in _FLOATS else pa.bool_() if c in _BOOLS else pa.int64() if c == "index" or c.startswith("bank:") else pa.string()
-        schema, new = pa.schema([(c, kind(c)) for c in columns]), list(self._appended(self.saved, cut=False))
+        arrow = dict(float=pa.float64(), bool=pa.bool_(), int=pa.int64(), str=pa.string())
+        schema, new = pa.schema([(c, arrow[_kind(c)]) for c in columns]), list(self._appended(self.saved, cut=False))
         parts = [pq.read_table(self.out).slice(0, self.saved["stored"]).cast(schema)] if self.saved["stored"] else []  # cast: a file written before the types were fixed
-        parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], kind(c)) for j, c in enumerate(columns)], schema=schema))
+        parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], arrow[_kind(c)]) for j, c in enumerate(columns)], schema=schema))
         tmp = self.out.with_name(f".{self.out.name}.tmp")
         pq.write_table(pa.concat_tables(parts), tmp)
         os.replace(tmp, self.out)

@@ -31,22 +31,14 @@ RSNA_CLASSES = {"Normal": "normal", "Lung Opacity": "pneumonia",
 
 
 def dicom_to_png(data: bytes) -> bytes:
-    """Decode a radiograph stored as DICOM and encode it as an 8-bit greyscale PNG (MONOCHROME1 is inverted)."""
+    """Decode a radiograph stored as DICOM and encode it as an 8-bit PNG, converted as `proton-ood score` reads the file."""
     try:
         import pydicom
     except ImportError as err:
         raise ImportError("reading RSNA's DICOM files needs pydicom: pip install pydicom") from err
-    import numpy as np
+    from proton.models.vlm import dicom_to_8_bits
 
-    ds = pydicom.dcmread(io.BytesIO(data))
-    stored = ds.pixel_array
-    pixels = stored * float(getattr(ds, "RescaleSlope", 1)) + float(getattr(ds, "RescaleIntercept", 0))
-    if ds.PhotometricInterpretation == "MONOCHROME1":  # high values are dark: flip within the image's own range
-        pixels = pixels.max() + pixels.min() - pixels
-    if stored.dtype != np.uint8 or pixels.min() < 0 or pixels.max() > 255:
-        low, high = pixels.min(), pixels.max()
-        pixels = (pixels - low) / max(high - low, 1e-12) * 255.0
-    return png_bytes(np.round(pixels).astype(np.uint8))
+    return png_bytes(dicom_to_8_bits(pydicom.dcmread(io.BytesIO(data))))
 
 
 def rsna_view(paths: dict) -> View:

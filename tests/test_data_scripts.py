@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 from proton.bench.prepared import claim_folder, read_prepared
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 DATA_SCRIPTS = Path(__file__).parents[1] / "data_scripts"
@@ -711,6 +712,23 @@ def test_dicom_conversion_inverts_monochrome1_and_scales_16_bit():
     png = np.asarray(Image.open(io.BytesIO(radiology.dicom_to_png(dicom_bytes(ramp, "MONOCHROME1")))))
     assert png.dtype == np.uint8 and png[0, 0] == 255 and png[-1, -1] == 0
     assert np.all(np.diff(png.reshape(-1).astype(int)) <= 0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bits=st.sampled_from([8, 12, 16]), photometric=st.sampled_from(["MONOCHROME1", "MONOCHROME2"]),
+       window=st.one_of(st.none(), st.tuples(st.integers(-500, 3000), st.integers(1, 4000))),
+       rescale=st.sampled_from([None, (1, 0), (2, -1024)]), seed=st.integers(0, 2**16))
+def test_the_data_script_converts_a_dicom_file_as_the_library_reads_it(tmp_path, bits, photometric, window, rescale, seed):
+    "A radiograph prepared as PNG reaches the model as `proton-ood score` reads the same DICOM file: one conversion, not two."
+    pytest.importorskip("pydicom")
+    from test_dicom import write_dicom
+    from proton.models.vlm import read_image
+    pixels = np.random.default_rng(seed).integers(0, 2**bits, (6, 7)).astype(np.uint8 if bits == 8 else np.uint16)
+    tags = {} if window is None else dict(WindowCenter=window[0], WindowWidth=window[1])
+    if rescale is not None: tags |= dict(RescaleSlope=rescale[0], RescaleIntercept=rescale[1])
+    path = write_dicom(tmp_path / "x.dcm", pixels, photometric, **tags)
+    png = np.asarray(Image.open(io.BytesIO(radiology.dicom_to_png(path.read_bytes()))))
+    np.testing.assert_array_equal(png, read_image(path))
 
 
 def test_radiology_without_kaggle_prints_exactly_what_to_do(tmp_path, monkeypatch, capsys):

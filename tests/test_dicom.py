@@ -71,6 +71,14 @@ def test_8_bit_grey_and_rgb_go_to_the_models_as_rgb(tmp_path):
     assert as_rgb_image(read_image(tmp_path / "g.dcm")).size == (16, 16)
 
 
+def test_8_bit_grey_without_a_window_is_read_as_stored(tmp_path):
+    grey = np.arange(40, 200, dtype=np.uint8).reshape(10, 16)  # a dark, low-contrast radiograph saved in 8 bits, as RSNA's are
+    np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g.dcm", grey)), grey)  # as a PNG of it would be: not stretched
+    np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g1.dcm", grey, "MONOCHROME1")), 255 - grey)
+    stretched = read_image(write_dicom(tmp_path / "r.dcm", grey, RescaleSlope=2, RescaleIntercept=-10))  # rescaled: no display range is known
+    assert (stretched.min(), stretched.max()) == (0, 255)
+
+
 def test_errors_name_the_problem(tmp_path, monkeypatch):
     frames = write_dicom(tmp_path / "frames.dcm", np.zeros((3, 8, 8), dtype=np.uint16))
     with pytest.raises(ValueError, match="frames"): read_image(frames)

@@ -167,6 +167,20 @@ def test_folder_without_split_and_classes(clip, tmp_path):
            [f.split("/")[1] for f in cache.source if f.startswith("id/")]
 
 
+def test_dicom_files_in_a_prepared_folder_are_extracted(clip, tmp_path):
+    "A labelled radiology folder of DICOM files is a prepared folder: its .dcm files are images, read as `read_image` reads them."
+    pytest.importorskip("pydicom")
+    from test_dicom import write_dicom
+    from proton.models.vlm import read_image
+    root = make_prepared(tmp_path / "dicom", split=False, classes=False)
+    scan = write_dicom(root / "id" / "normal" / "scan.dcm", np.linspace(0, 4095, 48 * 40).reshape(48, 40).astype(np.uint16))
+    assert "id/normal/scan.dcm" in read_prepared(root).files
+    cache = extract(clip, root, **RUN)
+    i = list(cache.source).index("id/normal/scan.dcm")
+    assert cache.class_names[cache.labels[i]] == "normal"
+    np.testing.assert_allclose(cache.image_embeddings[i], clip.encode_images([read_image(scan)])[0].numpy(), atol=1e-5, rtol=0)
+
+
 # --- prompts ---------------------------------------------------------------------------------------------------------
 
 def test_prompt_ensemble_from_a_json_file(clip, data, tmp_path):

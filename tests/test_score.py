@@ -341,6 +341,18 @@ def test_hidden_files_and_folders_are_not_images_to_score(tmp_path):
     assert list_images(root) == [str(root / "day1" / "a.png")]
 
 
+def test_dicom_files_without_a_suffix_are_images_to_score(tmp_path):
+    "A PACS export names its files IM000001 or by UID (1.2.840....4.17): the DICM marker makes them images, DICOMDIR (the index) is not one."
+    pytest.importorskip("pydicom")
+    from test_dicom import write_dicom
+    from proton.models.score import list_images
+    series = tmp_path / "export" / "series1"; series.mkdir(parents=True)
+    scans = [write_dicom(series / name, np.zeros((8, 8), np.uint16)) for name in ("IM000001", "1.2.840.113619.2.55.4.17", "b.dcm")]
+    write_dicom(tmp_path / "export" / "DICOMDIR", np.zeros((8, 8), np.uint16))
+    (series / "notes").write_text("not an image"); (series / "zeros").write_bytes(b"\0" * 200)
+    assert list_images(tmp_path / "export") == sorted(str(p) for p in scans)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="the lock is POSIX's flock")
 def test_a_second_run_on_the_same_results_is_refused_while_the_first_writes(tmp_path):
     "Two runs appending to one results file would interleave their rows: while one holds the lock, the other stops and writes nothing."

@@ -6,7 +6,8 @@ import pytest
 
 pydicom = pytest.importorskip("pydicom")
 from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+from pydicom.encaps import encapsulate
+from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
 
 from proton.models.vlm import as_rgb_image, read_image
 
@@ -84,5 +85,11 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="frames"): read_image(frames)
     (tmp_path / "bad.dcm").write_bytes(b"not a DICOM file")
     with pytest.raises(ValueError, match="cannot read DICOM file"): read_image(tmp_path / "bad.dcm")
+    j2k = pydicom.dcmread(frames)  # JPEG 2000 whose codestream is cut short: every decoder plugin fails, each on a line of its own
+    j2k.NumberOfFrames, j2k.file_meta.TransferSyntaxUID = 1, JPEG2000Lossless
+    j2k.PixelData = encapsulate([b"\xff\x4f\xff\x51" + bytes(100)]); j2k["PixelData"].VR = "OB"
+    j2k.save_as(tmp_path / "cut.dcm", enforce_file_format=True)
+    with pytest.raises(ValueError, match="cannot decode the DICOM pixel data") as e: read_image(tmp_path / "cut.dcm")
+    assert "\n" not in str(e.value), "one line, as warnings and the command print it"
     monkeypatch.setitem(sys.modules, "pydicom", None)
     with pytest.raises(ImportError, match=r'pip install "proton-ood\[data\]"'): read_image(frames)

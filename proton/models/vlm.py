@@ -65,10 +65,14 @@ def is_dicom(path:str|os.PathLike): # a file
     except OSError: return False  # not readable: not known as DICOM (reading it as an image then says why)
     return head[128:132] == b"DICM"
 
+def _one_line(e:Exception): # an error; pydicom's messages can run over several lines
+    "The error's message on one line."
+    return " ".join(str(e).split())
+
 def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
     "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey or (H, W, 3) colour."
     try: pixels = ds.pixel_array
-    except Exception as e: raise ValueError(f"cannot decode the DICOM pixel data ({type(e).__name__}: {e})") from None
+    except Exception as e: raise ValueError(f"cannot decode the DICOM pixel data ({type(e).__name__}: {_one_line(e)})") from None
     colour = int(getattr(ds, "SamplesPerPixel", 1)) == 3
     if pixels.ndim != (3 if colour else 2): raise ValueError(f"a DICOM file with {getattr(ds, 'NumberOfFrames', '?')} frames (pixels {pixels.shape}) is not one image")
     if colour: return pixels if pixels.dtype == np.uint8 else to_8_bits(pixels)
@@ -92,7 +96,7 @@ def read_image(path:str|os.PathLike): # an image file: PNG, JPEG, TIFF, ... or D
         try: import pydicom
         except ImportError: raise ImportError(f'reading the DICOM file {path} needs pydicom: pip install "proton-ood[data]"') from None
         try: ds = pydicom.dcmread(path)
-        except Exception as e: raise ValueError(f"cannot read DICOM file {path}: {e}") from None
+        except Exception as e: raise ValueError(f"cannot read DICOM file {path}: {_one_line(e)}") from None
         try: return dicom_to_8_bits(ds)
         except ValueError as e: raise ValueError(f"{path}: {e}") from None
     from PIL import Image

@@ -95,7 +95,9 @@ class WarmupThreshold:
     def set_reference(self, scores_id): # scores of images known to be ID, from the same detector after calibration
         "Read θ (and the mean and spread the drift alarm standardises with) off labelled ID scores instead of the warm-up."
         s = _floats(scores_id, "scores_id")
-        if len(s) < 2 or not np.isfinite(s).all(): raise ValueError(f"scores_id must hold at least 2 finite scores, got {len(s)}")
+        if len(s) < 2: raise ValueError(f"θ needs at least 2 reference scores, got {len(s)}")
+        bad = int((~np.isfinite(s)).sum())
+        if bad: raise ValueError(f"{bad} of the {len(s)} reference scores {'is' if bad == 1 else 'are'} not finite (NaN or infinite)")
         self._set(s, "reference"); self.seen = []
         return self
 

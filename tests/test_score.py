@@ -390,6 +390,18 @@ def test_a_bad_argument_stops_the_run_before_it_writes_a_stream(tmp_path, bad, m
     assert not (tmp_path / "r.csv").exists() and not (tmp_path / "r.csv.state.pt").exists()
 
 
+@pytest.mark.parametrize("text,message", [("0.1\nnan\n0.2\n", r"ref\.txt: 1 of the 3 reference scores is not finite"),
+                                          ("0.1\n", r"ref\.txt: θ needs at least 2 reference scores, got 1")])
+def test_a_bad_reference_is_named_before_the_model_loads(tmp_path, monkeypatch, text, message):
+    import proton.models
+    monkeypatch.setattr(proton.models, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the reference was read"))
+    (tmp_path / "ref.txt").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        score_stream(photo_folder(tmp_path / "in", broken=()), tmp_path / "r.csv", "open_clip:ViT-S-32/none", "a,b",
+                     reference=tmp_path / "ref.txt", progress=False)
+    assert not (tmp_path / "r.csv").exists() and not (tmp_path / "r.csv.state.pt").exists()
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
 def test_a_first_run_that_scored_nothing_does_not_bind_the_next_runs_settings(tmp_path, random_vlm, monkeypatch, suffix):
     folder, out = photo_folder(tmp_path / "in", broken=()), tmp_path / f"r{suffix}"

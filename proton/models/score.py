@@ -251,8 +251,11 @@ def read_reference_scores(path:str|os.PathLike): # a results CSV of an earlier r
         j, cal = rows[0].index("score"), rows[0].index("calibrated") if "calibrated" in rows[0] else None
         values = [r[j] for r in rows[1:] if cal is None or r[cal] == "True"]
     else: values = [r[0] for r in rows if r and r[0].strip()]
-    try: return np.array(values, dtype=np.float64)
+    try: s = np.array(values, dtype=np.float64)
     except ValueError: raise ValueError(f"{path} holds values that are not numbers") from None
+    try: WarmupThreshold().set_reference(s)  # the checks θ makes, here before any model loads
+    except ValueError as e: raise ValueError(f"{path}: {e}") from None
+    return s
 
 def score_stream(source:str|os.PathLike, # an image folder, a file list, or an embedding cache (.npz)
                  out:str|os.PathLike, # results file (.csv or .parquet); the state goes beside it, <out>.state.pt
@@ -302,6 +305,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
             if n: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
             results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
+        reference_scores = read_reference_scores(reference) if reference is not None and saved is None else None  # before the model loads
         columns = row_columns(class_names)
         unread = set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
         todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
@@ -315,7 +319,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         if saved is not None: monitor = Monitor.from_state_dict(saved["monitor"])
         else:
             threshold = WarmupThreshold(warmup, id_recall)
-            if reference is not None: threshold.set_reference(read_reference_scores(reference))
+            if reference_scores is not None: threshold.set_reference(reference_scores)
             monitor = Monitor(Proton(text, config, temperature=temperature), threshold, CusumDrift(drift_k, drift_h))
             if len(class_names) == 1: warnings.warn("one class: its softmax confidence is always 1, so every image passes the gate into the bank and the "
                                                     "score ranks images by their distance to the stream's own prototype; name two classes or more "

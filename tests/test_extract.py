@@ -357,7 +357,7 @@ def test_command_line_errors(data, tmp_path, capsys):
     assert extract_main(["--model", MODEL, "--data", str(tmp_path / "nowhere"), "--out", out]) == 1
     assert "no prepared folder" in capsys.readouterr().err
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--tokenizer", str(tmp_path)]) == 1
-    assert "--tokenizer is for flair and unimed-clip" in capsys.readouterr().err
+    assert "a tokenizer is for flair and unimed-clip" in capsys.readouterr().err
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, "--prompts", str(tmp_path / "p.json")]) == 1
     assert "no prompt file" in capsys.readouterr().err
     with pytest.raises(SystemExit): extract_main(["--data", str(data), "--out", out])  # --model is required

@@ -382,12 +382,35 @@ def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, m
 
 @pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be a positive integer, got 0"),
                                          (dict(batch_size=2.5), "batch_size must be a positive integer, got 2.5"),
-                                         (dict(device="tpu"), "unknown device 'tpu'")])
+                                         (dict(device="tpu"), "unknown device 'tpu'"),
+                                         (dict(warmup=1), "warmup must be an integer of at least 2"),
+                                         (dict(id_recall=1.5), r"id_recall must be in \(0, 1\)"),
+                                         (dict(drift_h=0), "need k >= 0 and h > 0")])
 def test_a_bad_argument_stops_the_run_before_it_writes_a_stream(tmp_path, bad, message):
     folder = photo_folder(tmp_path / "in", broken=())
     with pytest.raises(ValueError, match=message):
         score_stream(folder, tmp_path / "r.csv", "open_clip:ViT-S-32/none", "a,b", progress=False, **bad)
-    assert not (tmp_path / "r.csv").exists() and not (tmp_path / "r.csv.state.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"], "no results, state or lock file"
+
+
+def test_the_command_scores_with_flair_from_local_weights_and_tokenizer(tmp_path):
+    "An offline site: FLAIR's weights and Bio_ClinicalBERT's vocabulary are local files, named on the command line."
+    from proton.models.flair import random_flair
+    (tmp_path / "vocab").mkdir()
+    (tmp_path / "vocab" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "glaucoma"]) + "\n")
+    torch.save(random_flair(0).state_dict(), tmp_path / "flair.pth")
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "flair", "--checkpoint", str(tmp_path / "flair.pth"),
+                   "--tokenizer", str(tmp_path / "vocab"), "--classes", "normal,glaucoma", "--no-progress")
+    assert r.returncode == 0 and "scored 3 new images" in r.stdout, r.stderr
+
+
+def test_an_audit_that_cannot_be_written_stops_the_command_before_it_scores(tmp_path):
+    folder = photo_folder(tmp_path / "in", broken=())
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b",
+                   "--no-progress", "--audit", str(tmp_path / "absent" / "a.csv"))
+    assert one_line_error(r) and "cannot write the audit" in r.stderr and "absent" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"], "nothing scored, nothing written"
 
 
 @pytest.mark.parametrize("text,message", [("0.1\nnan\n0.2\n", r"ref\.txt: 1 of the 3 reference scores is not finite"),

@@ -53,6 +53,16 @@ def test_a_device_that_is_not_one_is_named_before_anything_loads(name):
         with pytest.raises(ValueError, match="'cuda:1' was asked for, but CUDA is not available here"): load_vlm(name, device="cuda:1")
 
 
+@pytest.mark.parametrize("name", ["flair", "unimed-clip", "quiltnet", "open_clip:ViT-S-32"])
+def test_a_checkpoint_that_is_not_there_is_named_before_anything_loads(name, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint file or folder at .*nope\.pt"): load_vlm(name, tmp_path / "nope.pt")
+
+
+def test_a_tokenizer_is_refused_by_a_model_that_takes_none():
+    with pytest.raises(ValueError, match="a tokenizer is for flair and unimed-clip, not open_clip:ViT-S-32/none"):
+        load_vlm("open_clip:ViT-S-32/none", tokenizer="vocab")
+
+
 def test_open_clip_attributes(clip):
     assert isinstance(clip, VLM) and clip.name == f"open_clip:{ARCH}/none"
     assert clip.image_size == (224, 224) and clip.device == torch.device("cpu")

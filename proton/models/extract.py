@@ -782,12 +782,8 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
     try:
         prompts = parse_prompts(args.prompts)
         resolve_prompts(prompts, read_prepared(args.data))  # a wrong folder or prompt fails before the model loads
-        extra = {}
-        if args.tokenizer is not None:
-            if args.model not in ("flair", "unimed-clip", "unimed"): raise ValueError(f"--tokenizer is for flair and unimed-clip, not {args.model}")
-            extra["tokenizer"] = args.tokenizer
         device = _join_torchrun(str(model_device(args.device)))
-        vlm = load_vlm(args.model, args.checkpoint, device=device, **extra)
+        vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the summary line below says it
             cache = extract(vlm, args.data, prompts, prompt_sets=False if args.no_prompt_sets else args.prompt_sets, out=args.out, batch_size=args.batch_size, num_workers=args.workers,

@@ -73,8 +73,8 @@ def domain_cache(domain:str, # a key of `DOMAINS`
         covered = set(cache.source or ()) | skipped | {f for f, s in zip(folder.files, folder.shift) if s == "fit"}
         if cache.metadata.get("model") == ALIASES.get(model, model) and covered == set(folder.files): return path, cache
         raise ValueError(f"{path} exists but was not extracted by {model} from {data}; move it away to extract afresh")
-    options = ({"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}) | ({"tokenizer": tokenizer} if tokenizer else {})
-    vlm = load_vlm(model, checkpoint, device=model_device(device), **options)
+    options = {"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}
+    vlm = load_vlm(model, checkpoint, device=model_device(device), tokenizer=tokenizer, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unreadable images are listed in the cache's metadata, and in the report
         cache = extract(vlm, data, out=path, amp=amp, local=vlm.has_local, checkpoint=checkpoint, progress=progress)

@@ -270,6 +270,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  drift_k:float=0.5, # CUSUM allowance, in warm-up standard deviations
                  drift_h:float=5., # CUSUM decision level
                  checkpoint=None, # local weights of the model, as for `load_vlm`
+                 tokenizer=None, # FLAIR's or UniMed-CLIP's tokenizer folder, as for `load_vlm`; where the file is, so not a setting of the stream
                  device=None, # where the model runs; None: cuda if available
                  chunk_size:int=256, # images per committed chunk: the most a kill can lose
                  batch_size:int=32, # images per forward pass
@@ -280,6 +281,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
     workers = default_workers() if workers is None else workers
     for name, v in (("chunk_size", chunk_size), ("batch_size", batch_size), ("workers", workers)):
         if isinstance(v, bool) or int(v) != v or v < 1: raise ValueError(f"{name} must be a positive integer, got {v}")
+    WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # their checks, before a lock or a file is made
     results, source = Results(out), Path(source)
     cache = source.suffix == ".npz" and source.is_file()
     if cache:
@@ -312,7 +314,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         if not cache and todo:
             if isinstance(vlm, str):
                 from proton.models import load_vlm
-                vlm = load_vlm(vlm, checkpoint, device=device)
+                vlm = load_vlm(vlm, checkpoint, device=device, tokenizer=tokenizer)
             from proton.models import prompt_ensemble
             text, temperature = prompt_ensemble(vlm, prompt_map), vlm.temperature
         if not todo: results.finish(columns); return 0, n  # a run killed before it wrote its Parquet file
@@ -377,6 +379,7 @@ def _parser():
     p.add_argument("--out", required=True, help="results file, .csv (or .parquet with pyarrow, rewritten at the end of a run); the state goes to <out>.state.pt")
     p.add_argument("--model", default=None, help="flair, unimed-clip, quiltnet, or open_clip:<arch>/<pretrained>; not for a cache")
     p.add_argument("--checkpoint", default=None, help="local weights file (or folder) of the model")
+    p.add_argument("--tokenizer", default=None, help="folder with the text encoder's vocab.txt (FLAIR, UniMed-CLIP)")
     p.add_argument("--classes", default=None, help="comma-separated class names, in label order")
     p.add_argument("--prompts", default=None, help="prompt file: one prompt per class a line, or JSON {class: [prompts]}")
     p.add_argument("--order", default=None, choices=ORDERS, help="stream order: by name (a folder's default), modification time, or the list's (a list's default)")
@@ -401,11 +404,12 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
     "`proton-ood score`: score a folder, list or cache as one stream, appending to its results; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     config = ProtonConfig(gamma=args.gamma, bank_size=args.bank_size, k_min=args.k_min)
+    if args.audit and not Path(args.audit).resolve().parent.is_dir(): raise ValueError(f"cannot write the audit {args.audit}: its folder does not exist")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnreadableImagesWarning)
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
-                                  args.reference, args.drift_k, args.drift_h, args.checkpoint, args.device, args.chunk_size, args.batch_size,
-                                  args.workers, strict=args.strict, progress=not args.no_progress)
+                                  args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,
+                                  chunk_size=args.chunk_size, batch_size=args.batch_size, workers=args.workers, strict=args.strict, progress=not args.no_progress)
     print(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
         if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")

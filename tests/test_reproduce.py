@@ -100,6 +100,27 @@ def test_a_second_run_reuses_the_caches(report, tmp_path):
     assert path.name == "radiology_open_clip-ViT-S-32-none.npz" and len(cache) == 2 * 6 + 3 * 8
 
 
+@pytest.mark.parametrize("missing", ["semantic", "covariate", "far"])
+def test_a_domain_without_one_shift_gets_its_tables_with_that_shift_left_empty(missing, tmp_path):
+    "A prepared folder without one shift (a source that could not be fetched) still gives its tables and figures: that shift's cells are empty, and the notes say why."
+    from proton.bench import EmbeddingCache, SyntheticWorld
+    from proton.models.reproduce import figure3a, figure3b, paper_results
+    full = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=120, n_per_shift=40)
+    cache = full.subset(np.flatnonzero(np.array(full.shift) != missing))
+    tables, raw, notes = paper_results({"ophthalmology": cache, "radiology": cache}, n_permutations=1, progress=False)
+    covariate_only = ("table2b", "table3b", "table3c", "table4a", "table4b")  # Table 2(b), 3(b, c) and 4 are about the covariate shift
+    assert sorted(tables) == sorted({"table1", "table2a", "table2b", "table3a", "table3b", "table3c", "table4a", "table4b"}
+                                    - ({"table3b", "table3c"} if missing == "covariate" else set()))  # no covariate: no sensitivity sweep
+    for name, t in tables.items():
+        ours = t.xs("ours", axis=1, level=1)
+        empty = [c for c in ours.columns if ours[c].isna().all()]
+        assert sorted(empty) == sorted(c for c in ours.columns if missing in c or (missing == "covariate" and name in covariate_only)), (name, empty)
+    assert f"no '{missing}' images" in notes["table2a"]
+    if missing == "covariate": assert notes["sensitivity (ophthalmology)"].startswith("could not be made") and raw["sensitivity"] == {}
+    else: assert figure3b(raw["sensitivity"], tmp_path / "b.png").is_file()
+    assert figure3a({"ophthalmology": cache}, tmp_path / "a.png").is_file()
+
+
 def test_no_prepared_folder_is_one_line_error(tmp_path, capsys):
     from proton.cli import main
     assert main(["reproduce", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 1

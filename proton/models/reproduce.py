@@ -85,6 +85,10 @@ def _means(df, keys=("method", "shift")):
     "Mean metrics over the stream orders, in %, indexed by `keys`."
     return (df.groupby(list(keys), sort=False)[["auroc", "aupr_out", "fpr95"]].mean() * 100).round(1)
 
+def _at(m, key:tuple, column:str="auroc"):
+    "One mean of `_means`, NaN where the results have none (a shift the prepared folder lacks)."
+    return m.loc[key, column] if key in m.index else np.nan
+
 def _beside(ours:dict, reported:dict, columns:tuple):
     "A table with, for each column, our value and the paper's side by side; rows are the keys of `reported`."
     pd = import_pandas()
@@ -107,14 +111,13 @@ def table2a(results): # `robustness`'s results on the main domain (the ρ factor
     "Table 2(a): PROTON's AUROC per shift as the stream's ID fraction ρ varies, ours beside the paper's."
     r = results[results.factor == "rho"]
     m = _means(r, ("rho", "method", "shift"))
-    ours = {rho: tuple(m.loc[(rho, "proton", s), "auroc"] for s in SHIFT_ORDER) for rho in REPORTED["table2a"] if (rho, "proton", SHIFT_ORDER[0]) in m.index}
+    ours = {rho: tuple(_at(m, (rho, "proton", s)) for s in SHIFT_ORDER) for rho in REPORTED["table2a"]}
     return _beside(ours, REPORTED["table2a"], SHIFT_ORDER).rename_axis("ρ")
 
 def table2b(results): # `cross_domain`'s results, one domain per present benchmark
     "Table 2(b): covariate AUROC of MCM and PROTON per domain, and the gain, ours beside the paper's."
     m = _means(results[results["shift"] == "covariate"], ("domain", "method"))
-    ours = {d: (m.loc[(d, "mcm"), "auroc"], m.loc[(d, "proton"), "auroc"], m.loc[(d, "proton"), "auroc"] - m.loc[(d, "mcm"), "auroc"])
-            for d in dict.fromkeys(results.domain)}
+    ours = {d: (_at(m, (d, "mcm")), _at(m, (d, "proton")), _at(m, (d, "proton")) - _at(m, (d, "mcm"))) for d in dict.fromkeys(results.domain)}
     reported = {d: (v["mcm"], v["proton"], round(v["proton"] - v["mcm"], 1)) for d, v in REPORTED["table2b"].items()}
     return _beside(ours, reported, ("MCM", "PROTON", "Δ")).rename(index={d: DOMAINS[d].label for d in DOMAINS})
 
@@ -122,7 +125,7 @@ def table3a(results): # `ablation`'s results on the main domain
     "Table 3(a): AUROC per shift as PROTON's components are added, ours beside the paper's."
     m = _means(results)
     order = ("covariate", "semantic", "far")  # the paper's column order here
-    ours = {k: tuple(m.loc[(k, s), "auroc"] for s in order) for k in REPORTED["table3a"] if (k, order[0]) in m.index}
+    ours = {k: tuple(_at(m, (k, s)) for s in order) for k in REPORTED["table3a"]}
     return _beside(ours, REPORTED["table3a"], order).rename_axis("variant")
 
 def table3bc(results): # `sensitivity`'s results on the main domain
@@ -152,6 +155,9 @@ def figure3a(caches:dict, # {domain: EmbeddingCache}
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(caches), 2, figsize=(9, 2.8 * len(caches)), squeeze=False)
     for (domain, cache), (left, right) in zip(caches.items(), axes):
+        if "covariate" not in cache.shifts_present:  # a prepared folder without its covariate shift: say so in its panels
+            for ax in (left, right): ax.text(.5, .5, "no covariate images", ha="center", va="center", transform=ax.transAxes); ax.set(title=domain)
+            continue
         rows = dynamics(cache, shifts="covariate")
         for c, g in rows.groupby("class", sort=False): left.plot(g.t, g.cosine_to_final, lw=1.2, label=c)
         left.set(xlabel="stream index", ylabel="cosine to final prototype", title=f"{domain}: convergence")

@@ -169,6 +169,12 @@ def test_figure1_shows_the_blind_spot_on_a_domain_preset():
 
 # the regime map
 
+@pytest.mark.parametrize("run", [figure1, dynamics], ids=["figure1", "dynamics"])
+def test_a_cache_without_ood_images_is_named(run):
+    only_id = tiny_cache().subset(np.flatnonzero(tiny_cache().shift == "id"))
+    with pytest.raises(ValueError, match=r"the cache has no OOD images \(shifts present: \('id',\)\)"): run(only_id)
+
+
 def test_regime_columns_determinism_and_mechanism():
     kw = dict(cov_shifts=(0.0, 4.0), class_strengths=(0.3,), n_id=80, n_per_shift=40, n_permutations=2, progress=False)
     df = regime(**kw)

@@ -174,6 +174,14 @@ EmbeddingCache.n_classes = property(lambda self: len(self.text_embeddings))
 EmbeddingCache.dim = property(lambda self: self.image_embeddings.shape[1])
 EmbeddingCache.shifts_present = property(_shifts_present)
 
+def _ood_shifts(self:EmbeddingCache, shifts=None): # a shift name, a list of them, or None: every OOD shift in the cache
+    "The OOD shifts an experiment runs, as a list; an error when the cache has none to offer."
+    if shifts is not None: return [shifts] if isinstance(shifts, str) else list(shifts)
+    found = [s for s in self.shifts_present if s != "id"]
+    if not found: raise ValueError(f"the cache has no OOD images (shifts present: {self.shifts_present})")
+    return found
+EmbeddingCache.ood_shifts = _ood_shifts
+
 def _repr(self:EmbeddingCache):
     counts = " ".join(f"{s}={int((self.shift == s).sum())}" for s in self.shifts_present)
     local = "none" if self.local_embeddings is None else f"L={self.local_embeddings.shape[1]}"

@@ -57,7 +57,7 @@ def dynamics(cache:EmbeddingCache, # the embedding cache the streams draw from
     "Experiment 7: per shift, stream index and class, the prototype's convergence, the bank's filling and α_t."
     pd = import_pandas()
     check_cache(cache)
-    shifts = [s for s in cache.shifts_present if s != "id"] if shifts is None else [shifts] if isinstance(shifts, str) else list(shifts)
+    shifts = cache.ood_shifts(shifts)
     cfg = config or ProtonConfig()
     C, frames = cache.n_classes, []
     for shift in shifts:

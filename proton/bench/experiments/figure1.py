@@ -77,7 +77,7 @@ def figure1(cache:EmbeddingCache, # the embedding cache: ID images and OOD shift
     pd = import_pandas()
     check_cache(cache)
     if not 0 < recall < 1: raise ValueError(f"recall must be in (0, 1), got {recall}")
-    shifts = [s for s in cache.shifts_present if s != "id"] if shifts is None else [shifts] if isinstance(shifts, str) else list(shifts)
+    shifts = cache.ood_shifts(shifts)
     if tsne_shift not in SHIFTS[1:]: raise ValueError(f"tsne_shift must be one of the OOD shifts {SHIFTS[1:]}, got {tsne_shift!r}")
     cfg = config or ProtonConfig()
     scores = pd.concat([_stream_scores(cache, s, cfg, seed) for s in shifts], ignore_index=True)

@@ -175,6 +175,12 @@ def test_a_cache_without_ood_images_is_named(run):
     with pytest.raises(ValueError, match=r"the cache has no OOD images \(shifts present: \('id',\)\)"): run(only_id)
 
 
+def test_figure1_on_streams_too_short_to_calibrate_leaves_the_prototype_share_empty():
+    out = figure1(tiny_cache(n_id=6, n_per_shift=3), perplexity=2)  # K_min = 5 per class: the bank never calibrates
+    assert not out.scores.calibrated.any()
+    assert out.summary.caught_by_proto.isna().all() and out.summary.caught_by_mcm.notna().all()
+
+
 def test_regime_columns_determinism_and_mechanism():
     kw = dict(cov_shifts=(0.0, 4.0), class_strengths=(0.3,), n_id=80, n_per_shift=40, n_permutations=2, progress=False)
     df = regime(**kw)

@@ -40,7 +40,8 @@ class Figure1(NamedTuple):
     tsne:object # DataFrame: one row per embedded image (x, y, kind, predicted)
 
 def _caught(id_scores, ood_scores, recall):
-    "Share of `ood_scores` above the `recall` quantile of `id_scores`."
+    "Share of `ood_scores` above the `recall` quantile of `id_scores`; NaN when either is empty (a stream too short to calibrate)."
+    if len(id_scores) == 0 or len(ood_scores) == 0: return np.nan
     return float((ood_scores > np.quantile(id_scores, recall)).mean())
 
 # %% ../../../nbs/00_intro.ipynb

@@ -8,6 +8,7 @@ __all__ = ['COMMANDS', 'info_main', 'main']
 # %% ../nbs/46_cli.ipynb
 import argparse
 import sys
+import warnings
 
 # %% ../nbs/46_cli.ipynb
 COMMANDS = {"evaluate": "run the experiments on embedding caches (or on the synthetic world) and write tidy CSV files",
@@ -50,6 +51,9 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     elif command == "score": from proton.models.score import score_main as run
     elif command == "reproduce": from proton.models.reproduce import reproduce_main as run
     else: run = info_main
+    if not debug:  # a warning is one line naming the command, as an error is; --debug keeps Python's, with its source line
+        shown = warnings.showwarning
+        warnings.showwarning = lambda message, *_, **__: print(f"proton-ood {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
     try: return run(rest) or 0
     except KeyboardInterrupt:
         print(f"proton-ood {command}: interrupted", file=sys.stderr)
@@ -58,3 +62,5 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
         if debug: raise
         print(f"proton-ood {command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    finally:
+        if not debug: warnings.showwarning = shown

@@ -83,6 +83,16 @@ def test_extract_errors_are_one_line(tmp_path):
         assert one_line_error(r), r.stderr
 
 
+def test_a_warning_is_one_line_naming_the_command(tmp_path):
+    "What a run skips (here GL-MCM and the prompt-set baselines: the cache has no local embeddings and no prompt sets) is said in one line."
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=60, n_per_shift=20).save(path)
+    r = run("evaluate", str(path), "--permutations", "1", "--no-progress", "--out", str(tmp_path / "r.csv"))
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 0 and lines and all(l.startswith("proton-ood evaluate: warning: skipped ") for l in lines), r.stderr
+    assert "gl_mcm" in r.stderr
+
+
 def test_debug_shows_the_traceback(tmp_path):
     r = run("--debug", "info", str(tmp_path / "missing.npz"))
     assert r.returncode != 0 and "Traceback" in r.stderr

@@ -15,6 +15,7 @@ from proton.bench.experiments.cross_domain import DOMAIN_MODELS, cross_domain
 from proton.bench.experiments.dynamics import dynamics, prototype_history
 from proton.bench.experiments.figure1 import figure1, overlap_coefficient
 from proton.bench.experiments.regime import regime
+from proton.bench.experiments.robustness import robustness
 from proton.bench.experiments.triage import TRIAGE_CLASSIFIERS, triage
 from proton.bench.synth import PRESETS, SHIFTS, SyntheticWorld
 
@@ -179,6 +180,20 @@ def test_figure1_on_streams_too_short_to_calibrate_leaves_the_prototype_share_em
     out = figure1(tiny_cache(n_id=6, n_per_shift=3), perplexity=2)  # K_min = 5 per class: the bank never calibrates
     assert not out.scores.calibrated.any()
     assert out.summary.caught_by_proto.isna().all() and out.summary.caught_by_mcm.notna().all()
+
+
+def test_robustness_skips_a_setting_the_cache_cannot_run_and_says_so():
+    "A small cache cannot give the id_first order its 50 leading ID images; one class cannot be misrouted: those settings are skipped, the rest run."
+    small = tiny_cache(n_id=30)
+    with pytest.warns(UserWarning, match=r"robustness: order id_first skipped: .*warmup"):
+        r = robustness(small, n_permutations=1, progress=False)
+    assert set(r.order[r.factor == "order"]) == {"shuffled", "burst", "drift"} and set(r.factor) == {"rho", "misrouting", "order"}
+    one = EmbeddingCache.from_world(SyntheticWorld(seed=0, n_classes=1), n_id=60, n_per_shift=20)
+    with pytest.warns(UserWarning, match=r"robustness: misrouting 0\.1 skipped: misrouting needs at least two classes"):
+        r = robustness(one, misrouted=(0.1,), orders=("shuffled",), n_permutations=1, progress=False)
+    assert set(r.factor) == {"rho", "order"}
+    with pytest.raises(ValueError, match="nothing to evaluate: misrouting 0.1 skipped"), pytest.warns(UserWarning):
+        robustness(one, rhos=(), misrouted=(0.1,), orders=(), progress=False)
 
 
 def test_regime_columns_determinism_and_mechanism():

@@ -6,9 +6,11 @@
 __all__ = ['RHOS', 'MISROUTED', 'robustness']
 
 # %% ../../../nbs/27_robustness.ipynb
+import warnings
+
 import numpy as np
 
-from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, SkippedWarning, evaluate, import_pandas
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 from ..streams import ORDERS
@@ -32,9 +34,14 @@ def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
     runs = ([("rho", dict(rho=r), dict(rho=r, misrouted=0., order="shuffled")) for r in rhos] +
             [("misrouting", dict(rho=rho, misrouted=f), dict(rho=rho or np.nan, misrouted=f, order="shuffled")) for f in misrouted] +
             [("order", dict(rho=rho, order=o), dict(rho=rho or np.nan, misrouted=0., order=o)) for o in orders])
-    frames = []
+    frames, skipped = [], []
     for factor, settings, columns in runs:
-        df = evaluate(cache, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
+        try: df = evaluate(cache, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
+        except ValueError as e:  # a setting this cache cannot run (too few ID images for id_first, one class to misroute): the others still can
+            level = {"rho": columns["rho"], "misrouting": columns["misrouted"], "order": columns["order"]}[factor]
+            skipped.append(f"{factor} {level} skipped: {e}"); warnings.warn(f"robustness: {skipped[-1]}", SkippedWarning, stacklevel=2)
+            continue
         for i, (key, value) in enumerate(dict(factor=factor, **columns).items()): df.insert(i, key, value)
         frames.append(df)
+    if not frames: raise ValueError(f"nothing to evaluate: {'; '.join(skipped) or 'no setting was asked for'}")
     return import_pandas().concat(frames, ignore_index=True)

@@ -63,6 +63,16 @@ def test_a_tokenizer_is_refused_by_a_model_that_takes_none():
         load_vlm("open_clip:ViT-S-32/none", tokenizer="vocab")
 
 
+def test_a_floating_point_image_file_is_refused_not_clipped(tmp_path, clip):
+    "A 32-bit float TIFF (values in [0, 1], as microscopy software writes them) has no agreed range: PIL's conversion would clip it to black."
+    from proton.models.vlm import as_rgb_image, read_image
+    Image.fromarray(np.linspace(0, 1, 64 * 64, dtype=np.float32).reshape(64, 64)).save(tmp_path / "f.tif")
+    image = read_image(tmp_path / "f.tif")
+    assert image.mode == "F"
+    for convert in (as_rgb_image, clip.preprocess):
+        with pytest.raises(ValueError, match=r"floating-point image \(PIL mode F, .*scale it to 8 bits"): convert(image)
+
+
 def test_open_clip_attributes(clip):
     assert isinstance(clip, VLM) and clip.name == f"open_clip:{ARCH}/none"
     assert clip.image_size == (224, 224) and clip.device == torch.device("cpu")

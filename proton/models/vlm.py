@@ -45,6 +45,8 @@ def as_rgb_image(image): # a PIL image, or an (H, W), (H, W, 1), (H, W, 3) or (H
     from PIL import Image
     if isinstance(image, Image.Image):
         if image.mode.startswith("I"): image = np.asarray(image)  # "I;16", "I": PIL's own conversion would clip them at 255
+        elif image.mode == "F": raise ValueError("a floating-point image (PIL mode F, e.g. a 32-bit float TIFF) has no agreed intensity range; "
+                                                 "scale it to 8 bits (0..255) first")  # PIL's conversion would clip it, [0, 1] to black
         else: return image.convert("RGB")
     if not isinstance(image, np.ndarray):
         raise ValueError(f"an image must be a PIL image or a uint8 numpy array, got {type(image).__name__}")

@@ -13,7 +13,7 @@ import proton.models.score as score_module
 from proton.bench import EmbeddingCache, SyntheticWorld
 from proton.deploy import Monitor, save_state
 from proton.detector import ProtonConfig
-from proton.models.score import Results, row_columns, score_stream, write_audit
+from proton.models.score import Results, class_prompts_from, read_reference_scores, row_columns, score_stream, write_audit
 
 CONFIG = ProtonConfig(bank_size=20)
 N = 700  # 400 ID images and 100 of each of the three shifts
@@ -329,6 +329,22 @@ def test_an_image_over_pils_size_limit_is_left_out_like_an_unreadable_one(tmp_pa
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 600)  # 24 x 24 = 576 pixels pass, 40 x 40 = 1,600 > 2 x 600 is refused
     with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*big\.png.*decompression bomb"):
         assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
+
+
+def test_a_file_list_saved_with_a_byte_order_mark_and_crlf_lines_is_read(tmp_path):
+    "Windows editors and spreadsheet exports start a UTF-8 file with a BOM and end lines with CRLF; neither is part of a path."
+    from proton.models.score import list_images
+    folder = photo_folder(tmp_path / "in", n=2, broken=())
+    (tmp_path / "list.txt").write_bytes("\ufeffin/1.png\r\nin/0.png\r\n".encode("utf-8"))
+    assert list_images(tmp_path / "list.txt") == [str(folder / "1.png"), str(folder / "0.png")]
+    (tmp_path / "ref.txt").write_bytes("\ufeff0.25\r\n0.5\r\n".encode("utf-8"))
+    assert read_reference_scores(tmp_path / "ref.txt").tolist() == [0.25, 0.5]
+    (tmp_path / "prompts.json").write_bytes('\ufeff{"a": ["an a"], "b": ["a b"]}'.encode("utf-8"))
+    assert class_prompts_from(None, tmp_path / "prompts.json") == {"a": ["an a"], "b": ["a b"]}
+    (tmp_path / "utf16.txt").write_text("an a\na b\n", encoding="utf-16")  # another encoding: named, with the file
+    with pytest.raises(ValueError, match=r"cannot read the prompt file .*utf16\.txt.*UTF-8"): class_prompts_from(None, tmp_path / "utf16.txt")
+    (tmp_path / "gone.txt").write_text("in/1.png\nin/9.png\n")
+    with pytest.raises(ValueError, match=r"names 1 file that does not exist, e\.g\. .*9\.png"): list_images(tmp_path / "gone.txt")
 
 
 def test_hidden_files_and_folders_are_not_images_to_score(tmp_path):

@@ -46,7 +46,8 @@ def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict cl
     "The prompts in a file: a list (one per class) or a dict (class -> prompts)."
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"no prompt file at {path}")
-    text = path.read_text()
+    try: text = path.read_text(encoding="utf-8-sig")  # -sig: a byte order mark, as Windows editors write, is not part of the first prompt
+    except UnicodeDecodeError as e: raise ValueError(f"cannot read the prompt file {path}: it is not UTF-8 text ({e})") from None
     if path.suffix == ".json" or text.lstrip().startswith(("{", "[")):
         try: return json.loads(text)
         except ValueError as e: raise ValueError(f"prompt file {path} is not valid JSON: {e}") from None

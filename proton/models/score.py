@@ -42,11 +42,11 @@ def _ordered(paths:list, order:str):
 def read_file_list(path:str|os.PathLike): # a text file: one image path a line, relative to the list's folder; blank lines and '#' comments ignored
     "The absolute image paths a file list names, in its order."
     path = Path(path)
-    try: lines = path.read_text().splitlines()
+    try: lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte order mark, as Windows editors write, is not part of a path
     except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the file list {path}: {e}") from None
     paths = [os.path.abspath(path.parent / line.strip()) for line in lines if line.strip() and not line.lstrip().startswith("#")]
     missing = [p for p in paths if not os.path.isfile(p)]
-    if missing: raise ValueError(f"the file list {path} names {len(missing)} files that do not exist, e.g. {missing[0]}")
+    if missing: raise ValueError(f"the file list {path} names {len(missing)} {'file that does' if len(missing) == 1 else 'files that do'} not exist, e.g. {missing[0]}")
     if len(set(paths)) < len(paths): raise ValueError(f"the file list {path} names a file twice")
     return paths
 
@@ -244,7 +244,7 @@ def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as
 def read_reference_scores(path:str|os.PathLike): # a results CSV of an earlier run on known-ID images (its calibrated rows), or one score a line
     "The ID scores a labelled reference set gives."
     path = Path(path)
-    try: text = path.read_text()
+    try: text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the reference scores {path}: {e}") from None
     rows = list(csv.reader(io.StringIO(text)))
     if rows and "score" in rows[0]:

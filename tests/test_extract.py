@@ -167,6 +167,15 @@ def test_folder_without_split_and_classes(clip, tmp_path):
            [f.split("/")[1] for f in cache.source if f.startswith("id/")]
 
 
+def test_a_prepared_folder_edited_in_a_spreadsheet_is_read(tmp_path):
+    "Excel's 'CSV UTF-8' and Windows editors start the file with a byte order mark; it is not part of the first column's name."
+    root = make_prepared(tmp_path / "edited")
+    for name in ("split.csv", "classes.json"):
+        (root / name).write_bytes("\ufeff".encode() + (root / name).read_bytes().replace(b"\n", b"\r\n"))
+    folder = read_prepared(root)
+    assert folder.classes == tuple(CLASSES) and set(folder.sources) == {"skimage"} and len(folder.files) == len(IMAGES)
+
+
 def test_dicom_files_in_a_prepared_folder_are_extracted(clip, tmp_path):
     "A labelled radiology folder of DICOM files is a prepared folder: its .dcm files are images, read as `read_image` reads them."
     pytest.importorskip("pydicom")

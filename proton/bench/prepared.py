@@ -49,7 +49,7 @@ def write_split_table(root:str|os.PathLike, # the prepared folder
                       rows:list): # dicts with the keys of `SPLIT_COLUMNS`, one per image
     "Write split.csv, sorted by folder (in the order of `FOLDERS`), label and file."
     rows = sorted(rows, key=lambda r: (FOLDERS.index(r["shift"]), r["label"], r["file"]))
-    with open(Path(root) / SPLIT_FILE, "w", newline="") as f:
+    with open(Path(root) / SPLIT_FILE, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=SPLIT_COLUMNS, lineterminator="\n")
         writer.writeheader(); writer.writerows(rows)
     return rows
@@ -92,7 +92,7 @@ def _read_classes(root:Path):
     "(classes, class_names, prompts, benchmark name) from `root`/classes.json; None when there is no such file."
     path = root / CLASSES_FILE
     if not path.is_file(): return None
-    try: info = json.loads(path.read_text())
+    try: info = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: as a Windows editor saves it, with a byte order mark
     except ValueError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
     classes = info.get("classes") if isinstance(info, dict) else None
     if not isinstance(classes, list) or not classes or not all(isinstance(c, str) and c for c in classes):
@@ -109,7 +109,7 @@ def _read_prompt_sets(root:Path, classes:list):
     "Set name -> class folder -> prompts from `root`/prompt_sets.json, every set checked against `classes`; None when there is no such file."
     path = root / PROMPT_SETS_FILE
     if not path.is_file(): return None
-    try: sets = json.loads(path.read_text())
+    try: sets = json.loads(path.read_text(encoding="utf-8-sig"))
     except ValueError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(sets, dict) or not sets: raise ValueError(f"{path} must map set names to {{class folder: [prompts]}}, got {sets!r:.80}")
     for name, prompts in sets.items():
@@ -150,7 +150,7 @@ def _read_split(root:Path, on_disk:list):
     "file -> source from `root`/split.csv after checking it against the files on disk; None when there is no split.csv."
     path = root / SPLIT_FILE
     if not path.is_file(): return None
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's "CSV UTF-8" begins with a byte order mark
         reader = csv.DictReader(f)
         missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
         if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")

@@ -121,6 +121,12 @@ def test_a_domain_without_one_shift_gets_its_tables_with_that_shift_left_empty(m
     assert figure3a({"ophthalmology": cache}, tmp_path / "a.png").is_file()
 
 
+def test_the_data_record_reads_a_classes_file_saved_with_a_byte_order_mark(tmp_path):
+    from proton.models.reproduce import _data_hashes
+    (tmp_path / "classes.json").write_bytes('\ufeff{"classes": ["a", "b"], "sources": {"rsna": "abc"}}'.encode())
+    assert _data_hashes(tmp_path)["sources"] == {"rsna": "abc"}
+
+
 def test_no_prepared_folder_is_one_line_error(tmp_path, capsys):
     from proton.cli import main
     assert main(["reproduce", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 1

@@ -202,7 +202,7 @@ def _versions():
 def _data_hashes(folder:Path):
     "SHA-256 of what defines a prepared folder: its split.csv, classes.json and prompt sets, and its sources' hashes."
     hashes = {f.name: file_sha256(f) for f in (folder / SPLIT_FILE, folder / CLASSES_FILE, folder / "prompt_sets.json") if f.is_file()}
-    sources = json.loads((folder / CLASSES_FILE).read_text()).get("sources", {}) if (folder / CLASSES_FILE).is_file() else {}
+    sources = json.loads((folder / CLASSES_FILE).read_text(encoding="utf-8-sig")).get("sources", {}) if (folder / CLASSES_FILE).is_file() else {}
     return hashes | {"sources": sources}
 
 def _cache_record(path:Path, cache:EmbeddingCache, data:Path):

@@ -364,7 +364,7 @@ def test_dicom_files_without_a_suffix_are_images_to_score(tmp_path):
     from proton.models.score import list_images
     series = tmp_path / "export" / "series1"; series.mkdir(parents=True)
     scans = [write_dicom(series / name, np.zeros((8, 8), np.uint16)) for name in ("IM000001", "1.2.840.113619.2.55.4.17", "b.dcm")]
-    write_dicom(tmp_path / "export" / "DICOMDIR", np.zeros((8, 8), np.uint16))
+    write_dicom(tmp_path / "export" / "DICOMDIR", np.zeros((8, 8), np.uint16)); write_dicom(series / "dicomdir", np.zeros((8, 8), np.uint16))
     (series / "notes").write_text("not an image"); (series / "zeros").write_bytes(b"\0" * 200)
     assert list_images(tmp_path / "export") == sorted(str(p) for p in scans)
 

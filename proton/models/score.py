@@ -53,7 +53,7 @@ def read_file_list(path:str|os.PathLike): # a text file: one image path a line, 
 def _is_image(path:Path): # a file or folder found in the source folder
     "Whether `path` is an image file: by its suffix, or a DICOM file by its marker (DICOMDIR, an export's index, is not an image)."
     if path.suffix.lower() in IMAGE_SUFFIXES: return path.is_file()
-    return path.name != "DICOMDIR" and path.is_file() and is_dicom(path)
+    return path.name.upper() != "DICOMDIR" and path.is_file() and is_dicom(path)  # some CD readers lower-case the names
 
 def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden files and folders left out) or a file list
                 order:str|None=None): # "name", "mtime" or "list"; None: "list" for a file list, "name" for a folder

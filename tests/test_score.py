@@ -216,6 +216,20 @@ def test_other_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="brings its own embeddings"): run(cache, tmp_path / "x.csv", classes="a,b")
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_reference_stream_scored_with_other_settings_is_refused(tmp_path, suffix):
+    "The threshold is a quantile of reference scores: scores of another detector (γ, M, model, classes) are on another scale."
+    cache = cache_file(tmp_path / "c.npz", 300)
+    run(cache, tmp_path / f"ref{suffix}")
+    saved, rows = Results(tmp_path / f"ref{suffix}").load(columns=["score", "calibrated"])
+    theta = np.quantile([float(s) for s, c in rows if c == "True"], 0.95, method="higher")
+    run(cache, tmp_path / "same.csv", reference=tmp_path / f"ref{suffix}")
+    assert float(Results(tmp_path / "same.csv").load(columns=["threshold"])[1][-1][0]) == theta  # the reference's calibrated scores set θ
+    with pytest.raises(ValueError, match=rf"ref\{suffix} was scored by a detector with other settings \(config\)"):
+        score_stream(cache, tmp_path / "other.csv", config=ProtonConfig(bank_size=30), warmup=50, chunk_size=64, progress=False,
+                     reference=tmp_path / f"ref{suffix}")
+
+
 def proton_ood(*args):
     exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)

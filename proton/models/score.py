@@ -241,16 +241,23 @@ def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as
     if len(classes) < 1 or len(set(classes)) < len(classes): raise ValueError(f"the classes must be distinct names, got {classes}")
     return resolve_prompts(prompts or list(classes), SimpleNamespace(classes=tuple(classes), class_names=tuple(classes), prompts=None))
 
-def read_reference_scores(path:str|os.PathLike): # a results CSV of an earlier run on known-ID images (its calibrated rows), or one score a line
+def read_reference_scores(path:str|os.PathLike, # a results file of an earlier run on known-ID images (its calibrated rows), or one score a line
+                          settings:dict|None=None): # this stream's settings: a results file scored by a detector with others is refused
     "The ID scores a labelled reference set gives."
     path = Path(path)
-    try: text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the reference scores {path}: {e}") from None
-    rows = list(csv.reader(io.StringIO(text)))
-    if rows and "score" in rows[0]:
-        j, cal = rows[0].index("score"), rows[0].index("calibrated") if "calibrated" in rows[0] else None
-        values = [r[j] for r in rows[1:] if cal is None or r[cal] == "True"]
-    else: values = [r[0] for r in rows if r and r[0].strip()]
+    if path.suffix.lower() in (".csv", ".parquet") and Results(path).state_path.exists():  # a stream of `score_stream`: its committed rows
+        saved, rows = Results(path).load(columns=["score", "calibrated"])
+        diff = [k for k in ("model", "classes", "prompts", "config") if settings is not None and saved["settings"].get(k) != settings[k]]
+        if diff: raise ValueError(f"{path} was scored by a detector with other settings ({', '.join(diff)}): its scores are on another scale than this stream's")
+        values = [s for s, calibrated in rows if calibrated == "True"]
+    else:
+        try: text = path.read_text(encoding="utf-8-sig")
+        except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the reference scores {path}: {e}") from None
+        rows = list(csv.reader(io.StringIO(text)))
+        if rows and "score" in rows[0]:
+            j, cal = rows[0].index("score"), rows[0].index("calibrated") if "calibrated" in rows[0] else None
+            values = [r[j] for r in rows[1:] if cal is None or r[cal] == "True"]
+        else: values = [r[0] for r in rows if r and r[0].strip()]
     try: s = np.array(values, dtype=np.float64)
     except ValueError: raise ValueError(f"{path} holds values that are not numbers") from None
     try: WarmupThreshold().set_reference(s)  # the checks θ makes, here before any model loads
@@ -307,7 +314,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
             if n: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
             results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
-        reference_scores = read_reference_scores(reference) if reference is not None and saved is None else None  # before the model loads
+        reference_scores = read_reference_scores(reference, settings) if reference is not None and saved is None else None  # before the model loads
         columns = row_columns(class_names)
         unread = set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
         todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
@@ -389,7 +396,7 @@ def _parser():
     p.add_argument("--k-min", type=int, default=ProtonConfig.k_min, help="K_min, images every class needs before prototypes are used")
     p.add_argument("--warmup", type=int, default=200, help="W, calibrated images the threshold is read from (assumed ID)")
     p.add_argument("--id-recall", type=float, default=0.95, help="q: the threshold is the q-quantile of the warm-up's scores")
-    p.add_argument("--reference", default=None, help="scores of known-ID images (a results CSV, or one a line): the threshold comes from them")
+    p.add_argument("--reference", default=None, help="scores of known-ID images (a results file of score with the same model, classes and detector settings, or one a line): the threshold comes from them")
     p.add_argument("--drift-k", type=float, default=0.5, help="CUSUM allowance, in standard deviations")
     p.add_argument("--drift-h", type=float, default=5., help="CUSUM decision level, in standard deviations")
     p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk")

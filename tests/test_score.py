@@ -225,6 +225,8 @@ def test_a_reference_stream_scored_with_other_settings_is_refused(tmp_path, suff
     theta = np.quantile([float(s) for s, c in rows if c == "True"], 0.95, method="higher")
     run(cache, tmp_path / "same.csv", reference=tmp_path / f"ref{suffix}")
     assert float(Results(tmp_path / "same.csv").load(columns=["threshold"])[1][-1][0]) == theta  # the reference's calibrated scores set θ
+    cache_file(tmp_path / "other_cache.npz", 200)  # known-ID images extracted into a cache of their own: another file, the same VLM
+    run(tmp_path / "other_cache.npz", tmp_path / "from_other_cache.csv", reference=tmp_path / f"ref{suffix}")
     with pytest.raises(ValueError, match=rf"ref\{suffix} was scored by a detector with other settings \(config\)"):
         score_stream(cache, tmp_path / "other.csv", config=ProtonConfig(bank_size=30), warmup=50, chunk_size=64, progress=False,
                      reference=tmp_path / f"ref{suffix}")

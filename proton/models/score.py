@@ -247,7 +247,8 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
     path = Path(path)
     if path.suffix.lower() in (".csv", ".parquet") and Results(path).state_path.exists():  # a stream of `score_stream`: its committed rows
         saved, rows = Results(path).load(columns=["score", "calibrated"])
-        diff = [k for k in ("model", "classes", "prompts", "config") if settings is not None and saved["settings"].get(k) != settings[k]]
+        cached = settings is not None and any(str(x["model"]).startswith("cache:") for x in (saved["settings"], settings))  # named by its file, not its VLM
+        diff = [k for k in ("model", "classes", "prompts", "config")[cached:] if settings is not None and saved["settings"].get(k) != settings[k]]
         if diff: raise ValueError(f"{path} was scored by a detector with other settings ({', '.join(diff)}): its scores are on another scale than this stream's")
         values = [s for s, calibrated in rows if calibrated == "True"]
     else:

@@ -85,9 +85,13 @@ def _means(df, keys=("method", "shift")):
     "Mean metrics over the stream orders, in %, indexed by `keys`."
     return (df.groupby(list(keys), sort=False)[["auroc", "aupr_out", "fpr95"]].mean() * 100).round(1)
 
-def _at(m, key:tuple, column:str="auroc"):
-    "One mean of `_means`, NaN where the results have none (a shift the prepared folder lacks)."
-    return m.loc[key, column] if key in m.index else np.nan
+def _row(m, key:tuple):
+    "(AUROC, AUPR, FPR95) of one row of `_means`, NaN where the results have none (a shift the prepared folder lacks)."
+    return tuple(m.loc[key].tolist()) if key in m.index else (np.nan,) * 3
+
+def _at(m, key:tuple):
+    "The AUROC of one row of `_means`, NaN where the results have none."
+    return _row(m, key)[0]
 
 def _beside(ours:dict, reported:dict, columns:tuple):
     "A table with, for each column, our value and the paper's side by side; rows are the keys of `reported`."
@@ -102,7 +106,7 @@ def table1(results): # `main_table`'s results on the main domain
     "Table 1: AUROC, AUPR and FPR95 per shift of the static scores, hierarchical MCM and PROTON, ours beside the paper's."
     m = _means(results)
     cols = tuple(f"{s} {k}" for s in SHIFT_ORDER for k in ("AUROC", "AUPR", "FPR95"))
-    ours = {k: tuple(m.loc[(k, s)].tolist() if (k, s) in m.index else (np.nan,) * 3 for s in SHIFT_ORDER) for k in PAPER_ROWS}
+    ours = {k: tuple(_row(m, (k, s)) for s in SHIFT_ORDER) for k in PAPER_ROWS}
     flat = lambda d: {k: tuple(x for t in v for x in t) for k, v in d.items()}
     reported = {k: tuple(REPORTED["table1"][k][s] for s in SHIFT_ORDER) for k in PAPER_ROWS}
     return _beside(flat(ours), flat(reported), cols).rename(index=PAPER_ROWS)
@@ -132,7 +136,7 @@ def table3bc(results): # `sensitivity`'s results on the main domain
     "Tables 3(b) and 3(c): covariate AUROC, AUPR and FPR95 across γ at M = 100 and across M at γ = 0.7, ours beside the paper's."
     g = results[(results.sweep == "gamma_M") & (results.method == "proton")]
     m = _means(g, ("gamma", "bank_size", "method", "shift"))
-    pick = lambda gamma, M: tuple(m.loc[(gamma, M, "proton", "covariate")].tolist()) if (gamma, M, "proton", "covariate") in m.index else (np.nan,) * 3
+    pick = lambda gamma, M: _row(m, (gamma, M, "proton", "covariate"))
     cols = ("AUROC", "AUPR", "FPR95")
     return (_beside({x: pick(x, 100) for x in REPORTED["table3b"]}, REPORTED["table3b"], cols).rename_axis("γ (M = 100)"),
             _beside({x: pick(0.7, x) for x in REPORTED["table3c"]}, REPORTED["table3c"], cols).rename_axis("M (γ = 0.7)"))

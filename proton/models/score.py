@@ -245,10 +245,11 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
                           settings:dict|None=None): # this stream's settings: a results file scored by a detector with others is refused
     "The ID scores a labelled reference set gives."
     path = Path(path)
-    if path.suffix.lower() in (".csv", ".parquet") and Results(path).state_path.exists():  # a stream of `score_stream`: its committed rows
-        saved, rows = Results(path).load(columns=["score", "calibrated"])
+    stream = Results(path) if path.suffix.lower() in (".csv", ".parquet") else None
+    if stream is not None and stream.state_path.exists():  # a stream of `score_stream`: its committed rows
+        saved, rows = stream.load(columns=["score", "calibrated"])
         cached = settings is not None and any(str(x["model"]).startswith("cache:") for x in (saved["settings"], settings))  # named by its file, not its VLM
-        diff = [k for k in ("model", "classes", "prompts", "config")[cached:] if settings is not None and saved["settings"].get(k) != settings[k]]
+        diff = [] if settings is None else [k for k in ("model", "classes", "prompts", "config")[cached:] if saved["settings"].get(k) != settings[k]]
         if diff: raise ValueError(f"{path} was scored by a detector with other settings ({', '.join(diff)}): its scores are on another scale than this stream's")
         values = [s for s, calibrated in rows if calibrated == "True"]
     else:
@@ -289,7 +290,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
     workers = default_workers() if workers is None else workers
     for name, v in (("chunk_size", chunk_size), ("batch_size", batch_size), ("workers", workers)):
         if isinstance(v, bool) or int(v) != v or v < 1: raise ValueError(f"{name} must be a positive integer, got {v}")
-    WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # their checks, before a lock or a file is made
+    threshold, drift = WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # a new stream's; built here, their checks come before a lock or a file
     results, source = Results(out), Path(source)
     cache = source.suffix == ".npz" and source.is_file()
     if cache:
@@ -315,7 +316,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
             diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
             if n: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
             results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
-        reference_scores = read_reference_scores(reference, settings) if reference is not None and saved is None else None  # before the model loads
+        if reference is not None and saved is None: threshold.set_reference(read_reference_scores(reference, settings))  # before the model loads
         columns = row_columns(class_names)
         unread = set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten
         todo = [i for i, p in enumerate(paths) if p not in done and p not in unread] + [i for i, p in enumerate(paths) if p in unread]  # retries last: new images keep their chunks
@@ -328,9 +329,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         if not todo: results.finish(columns); return 0, n  # a run killed before it wrote its Parquet file
         if saved is not None: monitor = Monitor.from_state_dict(saved["monitor"])
         else:
-            threshold = WarmupThreshold(warmup, id_recall)
-            if reference_scores is not None: threshold.set_reference(reference_scores)
-            monitor = Monitor(Proton(text, config, temperature=temperature), threshold, CusumDrift(drift_k, drift_h))
+            monitor = Monitor(Proton(text, config, temperature=temperature), threshold, drift)
             if len(class_names) == 1: warnings.warn("one class: its softmax confidence is always 1, so every image passes the gate into the bank and the "
                                                     "score ranks images by their distance to the stream's own prototype; name two classes or more "
                                                     "to keep OOD images out of the bank (chapter 'The detector')", stacklevel=2)

@@ -186,3 +186,15 @@ def test_mcm_responds_to_misrouting(cache):
         df = robustness(cache, rhos=(), misrouted=(0., .3), orders=(), n_permutations=1, progress=False)
     mcm = df[(df.method == "mcm") & (df["shift"] == "covariate")].set_index("misrouted").auroc
     assert abs(mcm[0.3] - mcm[0.0]) > 0.02
+
+
+@pytest.mark.parametrize("out", ["c.npz", "./sub/../c.npz"])
+def test_command_refuses_an_out_that_is_one_of_its_caches(cache, tmp_path, capsys, out):
+    "`evaluate c.npz --out c.npz` would write the table over the cache it read: refused before anything is written."
+    path = cache.save(tmp_path / "c.npz")
+    (tmp_path / "sub").mkdir()
+    before = path.read_bytes()
+    assert evaluate_main([str(path), "--out", str(tmp_path / out), "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "would overwrite the cache" in err and err.count("\n") == 1, err
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "sub"]

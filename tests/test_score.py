@@ -513,3 +513,16 @@ def test_the_summary_counts_one_image_in_the_singular(tmp_path, capsys):
     cache_file(tmp_path / "c.npz", 3)
     assert score_main([str(cache), "--out", str(out), "--no-progress"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"scored 2 new images; {out} holds 3"
+
+
+@pytest.mark.parametrize("audit", ["r.csv", "r.csv.state.pt", "r.csv.lock", "c.npz", "sub/../r.csv"])
+def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tmp_path, audit):
+    "--audit naming the results file, a file beside it or the stream's source would destroy them: one line, and nothing already written changes."
+    cache = cache_file(tmp_path / "c.npz")
+    (tmp_path / "sub").mkdir()
+    first = proton_ood("score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50")
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    r = proton_ood("score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50", "--audit", str(tmp_path / audit))
+    assert one_line_error(r) and "would overwrite" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before

@@ -445,6 +445,8 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     try:
         if args.seed < 0: raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
         args.protocol = replace(PAPER_PROTOCOL, rho=_rho(args.rho), n_permutations=args.permutations, seed=args.seed, fpr95_convention=args.fpr95)
+        read = [c for c in args.caches if Path(c).resolve() == Path(args.out).resolve()]
+        if read: raise ValueError(f"--out {args.out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
         _check_writable(Path(args.out))  # before the computation, not after it
         names = _experiment_names(args.experiments)
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches

@@ -5,7 +5,7 @@
 # %% auto 0
 __all__ = ['ORDERS', 'SCORE_FORMAT', 'AUDIT_COLUMNS', 'read_file_list', 'list_images', 'row_columns', 'Results',
            'UnreadableImagesWarning', 'class_prompts_from', 'read_reference_scores', 'score_stream', 'audit_rows',
-           'write_audit', 'score_main']
+           'check_audit_path', 'write_audit', 'score_main']
 
 # %% ../../nbs/47_score.ipynb
 import argparse
@@ -368,16 +368,31 @@ def audit_rows(rows:list, # the stream's rows from its first image, each as the 
     entries = bank_audit([index[r[2]] for r in rows], [r[3] == "True" for r in rows], len(class_names), bank_size)
     return [[class_names[c], slot, rows[t][1], int(rows[t][0])] for c, slot, t in entries]
 
+def check_audit_path(path:str|os.PathLike, # the audit's CSV file
+                     out:str|os.PathLike, # the results file of `score_stream`
+                     keep:tuple=()): # further files it must not replace: the stream's source, its reference scores
+    "Refuse an audit file whose folder is missing, or that would replace the results, a file beside them, one of `keep` or an image."
+    path, results = Path(path).resolve(), Results(out)
+    if not path.parent.is_dir(): raise ValueError(f"cannot write the audit {path}: its folder does not exist")
+    taken = {results.out: "the results file", results.state_path: "the stream's state", results.lock_path: "the results' lock",
+             results.journal: "the results' journal", **{Path(k): "the stream's source" if j == 0 else "the reference scores" for j, k in enumerate(keep) if k}}
+    what = next((v for k, v in taken.items() if k.resolve() == path), "an image" if path.is_file() and _is_image(path) else None)
+    if what: raise ValueError(f"the audit {path.name} would overwrite {what}; choose another file for it")
+
 def write_audit(out:str|os.PathLike, # the results file of `score_stream`
                 path:str|os.PathLike): # the audit's CSV file
-    "Write the bank audit of the stream in `out` as CSV (class, slot, path, index); returns its rows."
+    "Write the bank audit of the stream in `out` as CSV (class, slot, path, index), atomically; returns its rows."
+    check_audit_path(path, out)
     saved, rows = Results(out).load(columns=AUDIT_COLUMNS)
     if saved is None: raise ValueError(f"no scored stream at {out}")
     audit = audit_rows(rows, saved["settings"]["classes"], saved["settings"]["config"]["bank_size"])
-    with open(path, "w", newline="") as f:
+    path = Path(path); tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["class", "slot", "path", "index"]); w.writerows(audit)
+    os.replace(tmp, path)  # yesterday's audit stays whole until today's is
     return audit
+
 
 # %% ../../nbs/47_score.ipynb
 def _parser():
@@ -411,7 +426,7 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
     "`proton-ood score`: score a folder, list or cache as one stream, appending to its results; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     config = ProtonConfig(gamma=args.gamma, bank_size=args.bank_size, k_min=args.k_min)
-    if args.audit and not Path(args.audit).resolve().parent.is_dir(): raise ValueError(f"cannot write the audit {args.audit}: its folder does not exist")
+    if args.audit: check_audit_path(args.audit, args.out, keep=(args.source, args.reference))  # before any image is scored
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnreadableImagesWarning)
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,

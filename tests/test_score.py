@@ -516,13 +516,15 @@ def test_the_summary_counts_one_image_in_the_singular(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("audit", ["r.csv", "r.csv.state.pt", "r.csv.lock", "c.npz", "sub/../r.csv"])
-def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tmp_path, audit):
+def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tmp_path, capsys, audit):
     "--audit naming the results file, a file beside it or the stream's source would destroy them: one line, and nothing already written changes."
+    from proton.cli import main
     cache = cache_file(tmp_path / "c.npz")
     (tmp_path / "sub").mkdir()
-    first = proton_ood("score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50")
-    assert first.returncode == 0, first.stderr
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
-    r = proton_ood("score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50", "--audit", str(tmp_path / audit))
-    assert one_line_error(r) and "would overwrite" in r.stderr, r.stderr
+    args = ["score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50", "--bank-size", "20"]
+    assert main(args) == 0
+    before, _ = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}, capsys.readouterr()
+    assert main(args + ["--audit", str(tmp_path / audit)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("proton-ood score: error: ") and err.count("\n") == 1 and "would overwrite" in err, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before

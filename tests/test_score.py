@@ -1,4 +1,5 @@
 """`proton-ood score`: incremental runs, a killed run resumed, the bank audit against the detector, and one-line errors."""
+import re
 import shutil
 import subprocess
 import sys
@@ -528,3 +529,9 @@ def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tm
     err = capsys.readouterr().err
     assert err.startswith("proton-ood score: error: ") and err.count("\n") == 1 and "would overwrite" in err, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("classes,message", [("", "no class names in ''"), (" , ", "no class names in ' , '"), ([], "no class names in []"),
+                                             ("a,b,a", "the class 'a' is named twice"), (["x", "y", "y"], "the class 'y' is named twice")])
+def test_class_names_that_cannot_make_a_classifier_are_named(classes, message):
+    with pytest.raises(ValueError, match=re.escape(message)): class_prompts_from(classes, None)

@@ -233,12 +233,15 @@ def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warm
 def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as on the command line
                        prompts:str|os.PathLike|list|dict|None): # a prompt file, or a list (one per class) or dict (class -> prompts)
     "Class name -> list of prompts: the prompts of each class, or its name as its prompt."
+    given = classes
     if isinstance(classes, str): classes = [c.strip() for c in classes.split(",") if c.strip()]
     if isinstance(prompts, (str, os.PathLike)): prompts = read_prompt_file(prompts)
     if classes is None:
         if prompts is None: raise ValueError("name the classes (--classes a,b) or give a prompt file (--prompts)")
         classes = list(prompts) if isinstance(prompts, dict) else [p if isinstance(p, str) else p[0] for p in prompts]
-    if len(classes) < 1 or len(set(classes)) < len(classes): raise ValueError(f"the classes must be distinct names, got {classes}")
+    if not classes: raise ValueError(f"no class names in {given!r}: name them as --classes a,b")
+    twice = next((c for i, c in enumerate(classes) if c in classes[:i]), None)
+    if twice is not None: raise ValueError(f"the class {twice!r} is named twice: the classes must be distinct names")
     return resolve_prompts(prompts or list(classes), SimpleNamespace(classes=tuple(classes), class_names=tuple(classes), prompts=None))
 
 def read_reference_scores(path:str|os.PathLike, # a results file of an earlier run on known-ID images (its calibrated rows), or one score a line

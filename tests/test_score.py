@@ -535,3 +535,14 @@ def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tm
                                              ("a,b,a", "the class 'a' is named twice"), (["x", "y", "y"], "the class 'y' is named twice")])
 def test_class_names_that_cannot_make_a_classifier_are_named(classes, message):
     with pytest.raises(ValueError, match=re.escape(message)): class_prompts_from(classes, None)
+
+
+@pytest.mark.parametrize("model,options,message", [("nosuch", {}, "unknown VLM 'nosuch'"),
+                                                    ("open_clip:ViT-S-32/none", dict(checkpoint="absent.pt"), "no checkpoint file or folder at absent.pt"),
+                                                    ("quiltnet", dict(tokenizer="vocab"), "a tokenizer is for flair and unimed-clip, not quiltnet")])
+def test_a_wrong_model_is_named_before_any_file_is_written(tmp_path, model, options, message):
+    "A model that cannot load is refused before the lock, the state or the results exist: the folder is left as it was."
+    folder = photo_folder(tmp_path / "in", broken=())
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+        score_stream(folder, tmp_path / "r.csv", model, "a,b", progress=False, **options)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]

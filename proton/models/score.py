@@ -307,6 +307,9 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         class_names, text, temperature, model, prompt_map = list(c.class_names), c.text_embeddings, c.temperature, f"cache:{os.path.abspath(source)}", None
     else:
         if vlm is None: raise ValueError("scoring images needs a model (--model); only an embedding cache needs none")
+        if isinstance(vlm, str):
+            from proton.models import check_vlm
+            check_vlm(vlm, checkpoint, device, tokenizer)  # before the lock and the state: a model that cannot load leaves no file
         paths, prompt_map, device = list_images(source, order), class_prompts_from(classes, prompts), model_device(device)
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()

@@ -546,3 +546,11 @@ def test_a_wrong_model_is_named_before_any_file_is_written(tmp_path, model, opti
     with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
         score_stream(folder, tmp_path / "r.csv", model, "a,b", progress=False, **options)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.parametrize("name", ["C.NPZ", "cache", "c.cache"])
+def test_a_cache_is_known_by_its_content_not_only_its_suffix(tmp_path, name):
+    "A cache saved under another name (extract --out takes any) is scored as a cache, not read as a file list."
+    cache_file(tmp_path / "c.npz", 100)
+    (tmp_path / "c.npz").rename(tmp_path / name)
+    assert run(tmp_path / name, tmp_path / "r.csv") == (100, 100)

@@ -269,6 +269,12 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
     except ValueError as e: raise ValueError(f"{path}: {e}") from None
     return s
 
+def _is_cache(path:Path): # the stream's source
+    "Whether `path` is an embedding cache: a file named .npz, or one that opens as a zip archive, as every cache does (a file list is text)."
+    if not path.is_file(): return False
+    if path.suffix.lower() == ".npz": return True
+    with open(path, "rb") as f: return f.read(4) == b"PK\x03\x04"
+
 def score_stream(source:str|os.PathLike, # an image folder, a file list, or an embedding cache (.npz)
                  out:str|os.PathLike, # results file (.csv or .parquet); the state goes beside it, <out>.state.pt
                  vlm=None, # a `VLM`, or a model name for `load_vlm`; not needed for a cache
@@ -295,7 +301,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         if isinstance(v, bool) or int(v) != v or v < 1: raise ValueError(f"{name} must be a positive integer, got {v}")
     threshold, drift = WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # a new stream's; built here, their checks come before a lock or a file
     results, source = Results(out), Path(source)
-    cache = source.suffix == ".npz" and source.is_file()
+    cache = _is_cache(source)
     if cache:
         from proton.bench.cache import EmbeddingCache
         if vlm is not None or classes is not None or prompts is not None: raise ValueError("an embedding cache brings its own embeddings and classes: give no model, classes or prompts")

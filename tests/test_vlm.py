@@ -1,5 +1,6 @@
 """Cross-cutting tests of the VLM protocol: `load_vlm`, an open_clip model with random weights, safe and strict loading, UniMed-CLIP."""
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -191,3 +192,19 @@ def test_unimed_old_position_ids_buffer(vocab, tmp_path):
 def test_unimed_needs_its_files(vocab):
     with pytest.raises(ValueError, match="pass tokenizer="): load_unimed("none", config=SMALL)
     with pytest.raises(ValueError, match="pass checkpoint="): load_vlm("unimed", tokenizer=vocab, config=SMALL)
+
+
+@pytest.mark.parametrize("name,help", [("quiltnet", "pass a folder holding its snapshot as checkpoint= (--checkpoint)"),
+                                       ("open_clip:ViT-B-32/openai", "pass its weights file, as open_clip:ViT-B-32/<file>")])
+def test_hub_weights_neither_cached_nor_reachable_are_named_at_once(monkeypatch, capfd, name, help):
+    "Without internet, weights missing from the Hugging Face cache give one line that says what to pass, not a minute of retries and a RuntimeError."
+    import time
+    import huggingface_hub
+    import proton.models.vlm as vlm_module
+    if isinstance(huggingface_hub.try_to_load_from_cache("wisdomik/QuiltNet-B-32", "open_clip_config.json"), str): pytest.skip("QuiltNet is cached here")
+    monkeypatch.setattr(vlm_module, "_reachable", lambda host, timeout=3.: False)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=rf"the weights of {name} are not in the Hugging Face cache and the hub is unreachable: .*{re.escape(help)}"):
+        load_vlm(name)
+    assert time.perf_counter() - start < 15
+    assert "Retry" not in capfd.readouterr().err

@@ -13,7 +13,6 @@ __all__ = ['FLAIR_TEMPLATE', 'FLAIR_IMAGE_SIZE', 'FLAIR_DIM', 'FLAIR_MAX_TOKENS'
 import importlib
 import math
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .vlm import VLM, as_rgb_image, load_state_strict, load_weights, temperature_from_logit_scale
+from .vlm import VLM, _reachable, as_rgb_image, load_state_strict, load_weights, temperature_from_logit_scale
 
 # %% ../../nbs/41_flair.ipynb
 FLAIR_TEMPLATE = "A fundus photograph of {}"  # upstream's caption "A fundus photograph of [CLS]", without a full stop
@@ -142,13 +141,6 @@ def flair_pixels(image, # a PIL image, or an (H, W) or (H, W, 3) uint8 array
     return F.pad(torch.from_numpy(x).permute(2, 0, 1), (0, size - w, 0, size - h))
 
 # %% ../../nbs/41_flair.ipynb
-def _reachable(host:str, # a host name
-               timeout:float=3.): # seconds to wait for the connection
-    "Whether `host` accepts HTTPS connections."
-    try:
-        with socket.create_connection((host, 443), timeout=timeout): return True
-    except OSError: return False
-
 def _vocab_folder():
     "Folder of Bio_ClinicalBERT's vocab.txt: from the Hugging Face cache, else downloaded."
     hub = _vlm_extra("huggingface_hub")

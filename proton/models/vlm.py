@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -308,6 +309,35 @@ def _random_init_quietly(build, seed:int):
             return build()
     finally: logging.disable(previous)
 
+def _reachable(host:str, # a host name
+               timeout:float=3.): # seconds to wait for the connection
+    "Whether `host` accepts HTTPS connections."
+    try:
+        with socket.create_connection((host, 443), timeout=timeout): return True
+    except OSError: return False
+
+def _from_hub(e:BaseException): # an error of a model's loader
+    "Whether `e` comes from huggingface_hub finding a file neither in its cache nor on the hub."
+    while e is not None:
+        if type(e).__module__.startswith("huggingface_hub"): return True
+        e = e.__cause__ or e.__context__
+    return False
+
+def _build_from_hub(build, # () -> what the loader builds, fetching weights from the hub
+                    name:str, # the model, as asked for
+                    how:str): # what to do instead, when its weights are neither cached nor reachable
+    "`build()`; where huggingface.co is unreachable, from the Hugging Face cache alone: at once, with one line when the weights are not there."
+    if _reachable("huggingface.co"): return build()
+    from huggingface_hub import constants
+    offline, logged = constants.HF_HUB_OFFLINE, logging.root.manager.disable
+    constants.HF_HUB_OFFLINE = True  # cached files only: the hub client would otherwise retry each file for half a minute
+    logging.disable(logging.ERROR)  # open_clip logs the failure before it raises it; the line below says it once
+    try: return build()
+    except Exception as e:
+        if not _from_hub(e): raise
+        raise FileNotFoundError(f"the weights of {name} are not in the Hugging Face cache and the hub is unreachable: {how}") from None
+    finally: constants.HF_HUB_OFFLINE = offline; logging.disable(logged)
+
 def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-hub:org/repo"
                    pretrained:str|os.PathLike|None=None, # a tag, a local weights file or snapshot folder; None: random weights
                    device="cpu", # where the model runs
@@ -329,7 +359,9 @@ def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-h
     tag = None if local else pretrained
     build = lambda: open_clip.create_model_and_transforms(arch, pretrained=tag, device=device, weights_only=True)
     from_source = tag is not None or arch.startswith(("hf-hub:", "local-dir:"))
-    model, _, transform = build() if from_source else _random_init_quietly(build, seed)
+    if arch.startswith("hf-hub:"): how = f"download {arch[7:]} where there is internet (huggingface_hub.snapshot_download) and pass a folder holding its snapshot as checkpoint= (--checkpoint)"
+    else: how = f"download them where there is internet and pass its weights file, as open_clip:{arch}/<file>"
+    model, _, transform = _build_from_hub(build, name, how) if tag is not None or arch.startswith("hf-hub:") else build() if from_source else _random_init_quietly(build, seed)
     if local: load_state_strict(model, load_weights(pretrained), f"open_clip weights {pretrained}")
     return OpenClipVLM(model, transform, open_clip.get_tokenizer(arch), name, device)
 

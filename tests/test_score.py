@@ -554,3 +554,10 @@ def test_a_cache_is_known_by_its_content_not_only_its_suffix(tmp_path, name):
     cache_file(tmp_path / "c.npz", 100)
     (tmp_path / "c.npz").rename(tmp_path / name)
     assert run(tmp_path / name, tmp_path / "r.csv") == (100, 100)
+
+
+def test_a_file_list_naming_a_folder_says_so(tmp_path):
+    folder = photo_folder(tmp_path / "in", broken=())
+    (tmp_path / "list.txt").write_text("in/0.png\nin\n")
+    with pytest.raises(ValueError, match=r"the file list .*list\.txt names a folder, not an image file: .*in$"):
+        score_module.read_file_list(tmp_path / "list.txt")

@@ -45,6 +45,8 @@ def read_file_list(path:str|os.PathLike): # a text file: one image path a line, 
     try: lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte order mark, as Windows editors write, is not part of a path
     except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the file list {path}: {e}") from None
     paths = [os.path.abspath(path.parent / line.strip()) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    folder = next((p for p in paths if os.path.isdir(p)), None)
+    if folder: raise ValueError(f"the file list {path} names a folder, not an image file: {folder}")
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing: raise ValueError(f"the file list {path} names {len(missing)} {'file that does' if len(missing) == 1 else 'files that do'} not exist, e.g. {missing[0]}")
     if len(set(paths)) < len(paths): raise ValueError(f"the file list {path} names a file twice")

@@ -167,6 +167,9 @@ def test_not_a_cache(tmp_path):
         EmbeddingCache.load(tmp_path / "c.npz")
     with pytest.raises(FileNotFoundError):
         EmbeddingCache.load(tmp_path / "missing.npz")
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(CorruptCacheError, match=r"d\.npz is a folder, not a cache file"):
+        EmbeddingCache.load(tmp_path / "d.npz")
 
 
 def write_with_valid_hash(path, arrays, header):

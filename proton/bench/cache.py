@@ -337,6 +337,7 @@ EmbeddingCache.save = _save
 # %% ../../nbs/20_cache.ipynb
 def read_npz(path:Path):
     "Every array of the archive at `path`, read without pickle; `CorruptCacheError` on any failure."
+    if os.path.isdir(path): raise CorruptCacheError(f"{path} is a folder, not a cache file (.npz)")
     with open(path, "rb") as f:  # our own handle, closed even when numpy fails to open the archive
         head = f.read(6); f.seek(0)
         if not head.startswith(b"PK") and head != b"\x93NUMPY": raise CorruptCacheError(f"{path}: not a .npz archive (it does not begin as a zip file does)")

@@ -192,6 +192,13 @@ def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
     return local
 
 
+def check_counts(limit: int | None, resize: int | None) -> None:
+    """Refuse a ``--limit`` or ``--resize`` below 1; None is 'not given', 0 is a number."""
+    for name, value in (("limit", limit), ("resize", resize)):
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+
+
 def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, seed: int,
          local: dict[str, Path], limit: int | None = None, resize: int | None = None) -> str:
     """The dry-run report: every source (URL, size, licence, login, destination), every draw and the prompt sets. Touches no network."""
@@ -249,10 +256,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     manifest = load_manifest(args.manifest)
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {args.limit}")
-    if args.resize is not None and args.resize < 1:
-        raise ValueError(f"--resize must be at least 1, got {args.resize}")
+    check_counts(args.limit, args.resize)
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     paths, missing = {}, []

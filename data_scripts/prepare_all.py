@@ -15,7 +15,7 @@ from pathlib import Path
 import ophthalmology
 import pathology
 import radiology
-from common import main
+from common import check_counts, main, parse_local
 
 BENCHMARKS = {m.BENCHMARK.name: m for m in (ophthalmology, radiology, pathology)}
 
@@ -35,14 +35,20 @@ def cli(argv=None) -> int:
                    help="use a local copy of a source; passed to the benchmarks that use that source")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    try:  # the options every benchmark shares, checked once before any of them starts
+        check_counts(args.limit, args.resize)
+        parse_local(args.local, sorted({k for name in args.only for k in BENCHMARKS[name].BENCHMARK.keys()}))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     codes = {}
     for name in args.only:
         bench = BENCHMARKS[name].BENCHMARK
         sub = ["--out", str(args.out / name), "--seed", str(args.seed)]
         sub += ["--raw", str(args.raw)] if args.raw else []
         sub += ["--manifest", str(args.manifest)] if args.manifest else []
-        sub += ["--limit", str(args.limit)] if args.limit else []
-        sub += ["--resize", str(args.resize)] if args.resize else []
+        sub += ["--limit", str(args.limit)] if args.limit is not None else []
+        sub += ["--resize", str(args.resize)] if args.resize is not None else []
         sub += ["--dry-run"] if args.dry_run else []
         sub += ["--no-progress"] if args.no_progress else []
         sub += [f"--local={item}" for item in args.local if item.partition("=")[0] in bench.keys()]

@@ -911,3 +911,15 @@ def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():
 def test_prepare_all_passes_resize_on(tmp_path, capsys):
     assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", "--resize", "224"]) == 0
     assert capsys.readouterr().out.count("resized to 224 pixels on the short side") == len(BENCHMARKS)
+
+
+@pytest.mark.parametrize("options,message", [(["--limit", "0"], "--limit must be at least 1, got 0"),
+                                             (["--resize", "0"], "--resize must be at least 1, got 0"),
+                                             (["--local", "nosuch=/tmp"], "--local 'nosuch=/tmp': unknown source 'nosuch'"),
+                                             (["--local", "fives"], "--local 'fives': expected SOURCE=PATH")])
+def test_prepare_all_refuses_bad_options_once_before_any_benchmark(tmp_path, capsys, options, message):
+    "A 0 must not read as 'not given' (--limit 0 downloaded everything), and an unknown or malformed --local is named once, before any work."
+    assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", *options]) != 0
+    out, err = capsys.readouterr()
+    assert message in err and err.count("error") == 1 and "==>" not in out, (out, err)
+    assert not (tmp_path / "out").exists()

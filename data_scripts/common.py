@@ -15,7 +15,7 @@ from pathlib import Path
 
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
-from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, claim_folder, image_path, write_classes_file,
+from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, check_claimable, claim_folder, image_path, write_classes_file,
                                    write_prompt_sets, write_split_table)
 from prompts import prompt_sets
 from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
@@ -180,7 +180,7 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
 
 
 def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
-    """``["key=path", ...]`` as a dict, refusing unknown keys."""
+    """``["key=path", ...]`` as a dict, refusing unknown keys and paths that do not exist."""
     local = {}
     for item in items:
         key, sep, path = item.partition("=")
@@ -188,6 +188,8 @@ def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
             raise ValueError(f"--local {item!r}: expected SOURCE=PATH")
         if key not in known:
             raise ValueError(f"--local {item!r}: unknown source {key!r}; this script's sources are {known}")
+        if not Path(path).expanduser().exists():  # before any download, not when its turn comes
+            raise FileNotFoundError(f"--local {key}={path}: no such file or folder")
         local[key] = Path(path)
     return local
 
@@ -259,6 +261,8 @@ def run(bench: Benchmark, # the benchmark to prepare
     check_counts(args.limit, args.resize)
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
+    check_claimable(args.out)  # what would stop the writing, before hours of downloads
+    read_split(args.split)
     paths, missing = {}, []
     # Kaggle sources first, so that missing credentials are reported before hours of other downloads
     for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):

@@ -39,7 +39,10 @@ def load_manifest(path: Path | str | None = None, # a manifest.json; None: the o
                   ) -> dict:
     """Read and check the manifest of sources."""
     path = Path(path or MANIFEST)
-    manifest = json.loads(path.read_text())
+    try: manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err: raise ValueError(f"manifest {path}: not JSON ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sources"), dict):
+        raise ValueError(f"manifest {path}: no 'sources' table (a JSON object of source name -> entry)")
     for key, entry in manifest["sources"].items():
         missing = [f for f in REQUIRED_FIELDS if f not in entry]
         if missing:

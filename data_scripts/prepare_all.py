@@ -38,7 +38,7 @@ def cli(argv=None) -> int:
     try:  # the options every benchmark shares, checked once before any of them starts
         check_counts(args.limit, args.resize)
         parse_local(args.local, sorted({k for name in args.only for k in BENCHMARKS[name].BENCHMARK.keys()}))
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     codes = {}

@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import io
 import json
+import re
 import shutil
 import socket
 import sys
@@ -916,10 +917,36 @@ def test_prepare_all_passes_resize_on(tmp_path, capsys):
 @pytest.mark.parametrize("options,message", [(["--limit", "0"], "--limit must be at least 1, got 0"),
                                              (["--resize", "0"], "--resize must be at least 1, got 0"),
                                              (["--local", "nosuch=/tmp"], "--local 'nosuch=/tmp': unknown source 'nosuch'"),
-                                             (["--local", "fives"], "--local 'fives': expected SOURCE=PATH")])
+                                             (["--local", "fives"], "--local 'fives': expected SOURCE=PATH"),
+                                             (["--local", "fives=/no/such/fives.zip"], "--local fives=/no/such/fives.zip: no such file or folder")])
 def test_prepare_all_refuses_bad_options_once_before_any_benchmark(tmp_path, capsys, options, message):
     "A 0 must not read as 'not given' (--limit 0 downloaded everything), and an unknown or malformed --local is named once, before any work."
     assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", *options]) != 0
     out, err = capsys.readouterr()
     assert message in err and err.count("error") == 1 and "==>" not in out, (out, err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text,message", [("hi", "manifest {}: not JSON"), ("[1, 2]", "manifest {}: no 'sources' table"),
+                                          ('{"sources": []}', "manifest {}: no 'sources' table")])
+def test_a_manifest_that_is_not_one_is_named(tmp_path, text, message):
+    (tmp_path / "m.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / "m.json"))):
+        fetching.load_manifest(tmp_path / "m.json")
+
+
+@pytest.mark.parametrize("case,message", [("file", r"--out .*out is a file, not a folder"),
+                                          ("foreign", r"out is not empty and was not made by these scripts"),
+                                          ("split", r"split\.csv: columns \['hi'\]"),
+                                          ("local", r"--local \w+=.*absent: no such file or folder")])
+def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, monkeypatch, case, message):
+    "Hours of downloads must not end in a folder that cannot be claimed or a split file that cannot be read."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before the run's files were checked"))
+    if case == "file": (tmp_path / "out").write_text("not a folder")
+    if case == "foreign": (tmp_path / "out").mkdir(); (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "split.csv").write_text("hi\n")
+    split = ["--split", str(tmp_path / "split.csv")] if case == "split" else []
+    local = [f"--local={sorted(pathology.BENCHMARK.keys())[-1]}={tmp_path / 'absent'}"] if case == "local" else []
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
+    assert case != "foreign" or (tmp_path / "out" / "notes.txt").read_text() == "mine"

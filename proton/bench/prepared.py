@@ -4,7 +4,7 @@
 
 # %% auto 0
 __all__ = ['SPLIT_FILE', 'CLASSES_FILE', 'PROMPT_SETS_FILE', 'SPLIT_COLUMNS', 'DICOM_SUFFIXES', 'IMAGE_SUFFIXES', 'SKIPPED_FILES',
-           'FIT', 'FOLDERS', 'image_path', 'claim_folder', 'write_split_table', 'write_classes_file',
+           'FIT', 'FOLDERS', 'image_path', 'check_claimable', 'claim_folder', 'write_split_table', 'write_classes_file',
            'write_prompt_sets', 'PreparedFolder', 'read_prepared']
 
 # %% ../../nbs/44_data.ipynb
@@ -35,11 +35,17 @@ def image_path(shift:str, # one of `FOLDERS`: a shift, or "fit"
     if shift not in FOLDERS: raise ValueError(f"unknown shift {shift!r}: choose one of {FOLDERS}")
     return f"{shift}/{label}/{name}"
 
+def check_claimable(root:str|os.PathLike): # the prepared folder to (re)write
+    "Refuse a `root` that `claim_folder` must not touch: a file, or a folder these scripts did not make. Changes nothing."
+    root = Path(root)
+    if root.exists() and not root.is_dir(): raise ValueError(f"--out {root} is a file, not a folder")
+    if root.exists() and any(root.iterdir()) and not (root / CLASSES_FILE).exists():
+        raise ValueError(f"{root} is not empty and was not made by these scripts; choose an empty --out")
+
 def claim_folder(root:str|os.PathLike): # the prepared folder to (re)write
     "Make `root` ready for a prepared folder: create it, or clear an earlier run's images, split.csv and prompt sets; refuse a foreign folder."
     root = Path(root)
-    if root.exists() and any(root.iterdir()) and not (root / CLASSES_FILE).exists():
-        raise ValueError(f"{root} is not empty and was not made by these scripts; choose an empty --out")
+    check_claimable(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in (SPLIT_FILE, PROMPT_SETS_FILE): (root / stale).unlink(missing_ok=True)  # a run that fails half-way must not leave an old table behind
     for folder in FOLDERS: shutil.rmtree(root / folder, ignore_errors=True)

@@ -10,7 +10,7 @@ __all__ = ['MONITOR_FORMAT', 'save_state', 'save_detector', 'torch_load_safely',
 import math
 import os
 import re
-import tempfile
+import secrets
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,11 +25,12 @@ def save_state(state:dict, # tensors and plain values, e.g. `det.state_dict()`
                path): # destination file; replaced atomically
     "Write `state` with `torch.save` to `path` so that a crash mid-write leaves the previous file intact."
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # the permissions of any new file (the umask's), not a temporary file's 0600
             torch.save(state, f)
             f.flush(); os.fsync(f.fileno())
+        if path.exists(): os.chmod(tmp, path.stat().st_mode & 0o7777)  # a replaced file keeps its permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -504,3 +504,11 @@ def test_flair_images_at_its_input_size_cross_as_pixels_and_embed_as_the_model_d
     assert dtypes == [torch.float32, torch.uint8]  # files 0 and 2 (glaucoma; 2 needs resizing), then 1 and 3 (normal): only pixels
     direct = flair.encode_images([Image.open(root / f) for f in cache.source])
     assert np.abs(cache.image_embeddings - direct.numpy()).max() < 1e-5
+
+
+def test_an_out_that_is_a_folder_is_refused_before_any_image_is_encoded(clip, data, tmp_path, counted):
+    "The cache is written last: a folder as --out would fail there, after every image, with the shards beside a name the next run would not give."
+    (tmp_path / "caches").mkdir()
+    with pytest.raises(ValueError, match=r"caches is a folder: name the cache file to write, e\.g\. .*caches/\w+\.npz"):
+        extract(clip, data, out=tmp_path / "caches", num_workers=0, progress=False)
+    assert counted == [] and sorted(p.name for p in tmp_path.iterdir()) == ["caches"]

@@ -679,6 +679,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
         if v is not None and (int(v) != v or v < low): raise ValueError(f"{name} must be an integer of at least {low}, got {v}")
     share = worker_fraction(worker_share)
+    if out is not None and Path(out).is_dir(): raise ValueError(f"{out} is a folder: name the cache file to write, e.g. {Path(out) / folder.name}.npz")
     if isinstance(vlm, str): vlm = load_vlm(vlm, checkpoint, device=model_device(device))
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")

@@ -132,3 +132,17 @@ def test_no_prepared_folder_is_one_line_error(tmp_path, capsys):
     assert main(["reproduce", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("proton-ood reproduce: error: no prepared folder in") and "\n" not in err
+
+
+@pytest.mark.parametrize("option,message", [("--model", "unknown VLM 'nosuch'"), ("--checkpoint", "no checkpoint file or folder at")])
+def test_a_later_domain_that_cannot_load_its_model_stops_the_run_before_the_first_extracts(tmp_path, capsys, option, message):
+    "Ophthalmology's extraction can take an hour: radiology's wrong model name or weights path is named before it, in one line."
+    from proton.cli import main
+    for domain in ("ophthalmology", "radiology"): make_domain(tmp_path / "data" / domain, prompt_sets=False)
+    wrong = dict(model="radiology=nosuch", checkpoint=f"radiology={tmp_path / 'absent.pt'}")[option[2:]]
+    args = ["reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "report"), "--model", MODEL, option, wrong, "--no-progress", "--device", "cpu"]
+    if option == "--model": args[args.index(MODEL) - 1: args.index(MODEL) + 1] = ["--model", f"ophthalmology={MODEL}"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("proton-ood reproduce: error: radiology: ") and message in err and "\n" not in err, err
+    assert not list((tmp_path / "report").rglob("*.npz")), "no cache was extracted"

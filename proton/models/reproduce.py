@@ -26,7 +26,7 @@ from ..bench.experiments import PAPER, REPORTED, experiment
 from ..bench.experiments.cross_domain import DOMAIN_MODELS
 from ..bench.experiments.dynamics import dynamics, trajectories
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
-from . import ALIASES, load_vlm, model_device
+from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
 from .extract import extract, file_sha256
 
@@ -54,6 +54,10 @@ def _spec(value, domain:str, what:str):
         return value.get(domain)
     return value
 
+def _cache_file(domain:str, caches:Path, model:str):
+    "Where the cache of `domain` extracted by `model` lives in the folder `caches`."
+    return Path(caches) / f"{domain}_{model.replace(':', '-').replace('/', '-')}.npz"
+
 def domain_cache(domain:str, # a key of `DOMAINS`
                  data:Path, # the prepared folder of that domain
                  caches:Path, # folder of the caches
@@ -65,7 +69,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
                  progress:bool=True): # show progress bars
     "The domain's embedding cache: reused when its file exists and covers the folder, else extracted (resumably, local features too)."
     model = model or DOMAINS[domain].model
-    path = Path(caches) / f"{domain}_{model.replace(':', '-').replace('/', '-')}.npz"
+    path = _cache_file(domain, caches, model)
     folder = read_prepared(data)
     if path.exists():
         cache = EmbeddingCache.load(path)
@@ -309,11 +313,17 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
     data, out = Path(data), Path(out)
     present = [d for d in DOMAINS if (data / d).is_dir()]
     if not present: raise ValueError(f"no prepared folder in {data}: expected one or more of {', '.join(DOMAINS)} (the data scripts write them)")
+    caches = Path(caches) if caches else out / "caches"
+    spec = lambda d: (_spec(models, d, "models") or DOMAINS[d].model, _spec(checkpoints, d, "checkpoints"), _spec(tokenizers, d, "tokenizers"))
+    for d in present:  # a model that cannot load is named before any domain spends an hour extracting
+        model, checkpoint, tokenizer = spec(d)
+        if _cache_file(d, caches, model).exists(): continue
+        try: check_vlm(model, checkpoint, model_device(device), tokenizer)
+        except (ValueError, OSError) as e: raise type(e)(f"{d}: {e}") from None
     for sub in ("tables", "figures"): (out / sub).mkdir(parents=True, exist_ok=True)
     loaded, records = {}, {}
     for d in present:
-        path, loaded[d] = domain_cache(d, data / d, Path(caches) if caches else out / "caches", _spec(models, d, "models"),
-                                       _spec(checkpoints, d, "checkpoints"), _spec(tokenizers, d, "tokenizers"), device, amp, progress)
+        path, loaded[d] = domain_cache(d, data / d, caches, *spec(d), device, amp, progress)
         records[d] = _cache_record(path, loaded[d], data / d)
     tables, raw, notes = paper_results(loaded, n_permutations, progress)
     notes |= {f"domain {d}": f"not run: no prepared folder {data / d}" for d in DOMAINS if d not in present}

@@ -208,3 +208,12 @@ def test_hub_weights_neither_cached_nor_reachable_are_named_at_once(monkeypatch,
         load_vlm(name)
     assert time.perf_counter() - start < 15
     assert "Retry" not in capfd.readouterr().err
+
+
+def test_a_cuda_device_beyond_the_machines_is_named_before_anything_loads(monkeypatch):
+    "cuda:3 on a one-GPU machine failed deep in the model's .to() with 'invalid device ordinal'."
+    from proton.models import model_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"'cuda:3' was asked for, but this machine has 1 CUDA device \(cuda:0\)"): model_device("cuda:3")
+    assert model_device("cuda:0") == torch.device("cuda:0") and model_device("cuda") == torch.device("cuda")

@@ -28,6 +28,8 @@ def model_device(device=None): # "cpu", "cuda", "cuda:1", a torch.device, or Non
     try: d = torch.device(device)
     except (RuntimeError, TypeError): raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
     if d.type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"the device {str(device)!r} was asked for, but CUDA is not available here")
+    if d.type == "cuda" and d.index is not None and d.index >= (n := torch.cuda.device_count()):
+        raise ValueError(f"the device {str(device)!r} was asked for, but this machine has {n} CUDA device{'s' * (n != 1)} (cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
     return d
 
 TOKENIZERS = ("flair", "unimed-clip")  # backends whose text encoder's vocabulary is a file of its own (`tokenizer=`)

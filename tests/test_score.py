@@ -561,3 +561,15 @@ def test_a_file_list_naming_a_folder_says_so(tmp_path):
     (tmp_path / "list.txt").write_text("in/0.png\nin\n")
     with pytest.raises(ValueError, match=r"the file list .*list\.txt names a folder, not an image file: .*in$"):
         score_module.read_file_list(tmp_path / "list.txt")
+
+
+def test_a_gpu_out_of_memory_says_to_rerun_with_a_smaller_batch(tmp_path, capsys, monkeypatch):
+    "The committed chunks stay, and the batch size is not a setting of the stream: the same command with a smaller --batch-size continues it."
+    from proton.cli import main
+    from proton.models.vlm import VLM
+    monkeypatch.setattr(VLM, "encode_images", lambda self, *a, **k: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")))
+    folder = photo_folder(tmp_path / "in", broken=())
+    assert main(["score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b",
+                 "--no-progress", "--batch-size", "64"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the GPU ran out of memory with --batch-size 64" in err and "smaller" in err, err

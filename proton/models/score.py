@@ -436,12 +436,20 @@ def _parser():
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
+@contextlib.contextmanager
+def _smaller_batch_on_oom(batch_size:int): # the --batch-size of the run
+    "Turn the GPU running out of memory into one line on what to do: committed chunks stay, and the batch size is not a setting of the stream."
+    try: yield
+    except torch.cuda.OutOfMemoryError:
+        raise ValueError(f"the GPU ran out of memory with --batch-size {batch_size}; run the same command with a smaller one: "
+                         "the rows committed so far are kept, and the stream continues") from None
+
 def score_main(argv:list|None=None): # the arguments after `score`; None: sys.argv[2:]
     "`proton-ood score`: score a folder, list or cache as one stream, appending to its results; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     config = ProtonConfig(gamma=args.gamma, bank_size=args.bank_size, k_min=args.k_min)
     if args.audit: check_audit_path(args.audit, args.out, keep=(args.source, args.reference))  # before any image is scored
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _smaller_batch_on_oom(args.batch_size):
         warnings.simplefilter("always", UnreadableImagesWarning)
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
                                   args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,

@@ -573,3 +573,12 @@ def test_a_gpu_out_of_memory_says_to_rerun_with_a_smaller_batch(tmp_path, capsys
                  "--no-progress", "--batch-size", "64"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the GPU ran out of memory with --batch-size 64" in err and "smaller" in err, err
+
+
+def test_a_zip_of_images_is_named_as_an_archive_to_unpack(tmp_path):
+    "A zip file that is not a cache was read as a cache (and the model refused), or failed on a missing 'header'."
+    import zipfile
+    folder = photo_folder(tmp_path / "in", broken=())
+    with zipfile.ZipFile(tmp_path / "images.zip", "w") as z: z.write(folder / "0.png", "0.png")
+    with pytest.raises(ValueError, match=r"images\.zip is a zip archive, not an embedding cache: unpack it into a folder"):
+        score_stream(tmp_path / "images.zip", tmp_path / "r.csv", "open_clip:ViT-S-32/none", "a,b", progress=False)

@@ -272,10 +272,17 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
     return s
 
 def _is_cache(path:Path): # the stream's source
-    "Whether `path` is an embedding cache: a file named .npz, or one that opens as a zip archive, as every cache does (a file list is text)."
+    "Whether `path` is an embedding cache: a file named .npz, or a zip archive holding a cache's header (a file list is text)."
     if not path.is_file(): return False
     if path.suffix.lower() == ".npz": return True
-    with open(path, "rb") as f: return f.read(4) == b"PK\x03\x04"
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04": return False
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z: cache = "header.npy" in z.namelist()
+    except zipfile.BadZipFile: cache = False
+    if not cache: raise ValueError(f"{path} is a zip archive, not an embedding cache: unpack it into a folder and score the folder")
+    return True
 
 def score_stream(source:str|os.PathLike, # an image folder, a file list, or an embedding cache (.npz)
                  out:str|os.PathLike, # results file (.csv or .parquet); the state goes beside it, <out>.state.pt

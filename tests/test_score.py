@@ -582,3 +582,17 @@ def test_a_zip_of_images_is_named_as_an_archive_to_unpack(tmp_path):
     with zipfile.ZipFile(tmp_path / "images.zip", "w") as z: z.write(folder / "0.png", "0.png")
     with pytest.raises(ValueError, match=r"images\.zip is a zip archive, not an embedding cache: unpack it into a folder"):
         score_stream(tmp_path / "images.zip", tmp_path / "r.csv", "open_clip:ViT-S-32/none", "a,b", progress=False)
+
+
+def test_the_command_says_where_the_stream_stands(tmp_path, capsys):
+    "A clinician reading the summary learns whether images can be flagged yet, and if not, what the stream still lacks."
+    from proton.cli import main
+    stages = []
+    for n in (3, 120, N):
+        cache = cache_file(tmp_path / "c.npz", n)
+        assert main(["score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50", "--bank-size", "20"]) == 0
+        line = capsys.readouterr().out.splitlines()[1]
+        stages.append(line.split(":")[0].strip())
+        if n == 3: assert re.search(r"bank filling: class 0 holds \d+, class 1 holds \d+ of the 5 confident images each class needs; no image is flagged yet", line), line
+    assert stages[-1] == "monitoring" and stages == sorted(stages, key=["bank filling", "warm-up", "monitoring"].index), stages
+    assert re.search(r"monitoring: images scoring above θ = -?\d\.\d+ are flagged \(θ from the warm-up of 50 images\)", line), line

@@ -5,7 +5,7 @@
 # %% auto 0
 __all__ = ['ORDERS', 'SCORE_FORMAT', 'AUDIT_COLUMNS', 'read_file_list', 'list_images', 'row_columns', 'Results',
            'UnreadableImagesWarning', 'class_prompts_from', 'read_reference_scores', 'score_stream', 'audit_rows',
-           'check_audit_path', 'write_audit', 'score_main']
+           'check_audit_path', 'write_audit', 'stream_status', 'score_main']
 
 # %% ../../nbs/47_score.ipynb
 import argparse
@@ -451,6 +451,18 @@ def _smaller_batch_on_oom(batch_size:int): # the --batch-size of the run
         raise ValueError(f"the GPU ran out of memory with --batch-size {batch_size}; run the same command with a smaller one: "
                          "the rows committed so far are kept, and the stream continues") from None
 
+def stream_status(out:str|os.PathLike): # the results file of `score_stream`
+    "Where the stream in `out` stands, in one line: its bank still filling, the threshold's warm-up, or monitoring with θ."
+    saved = torch_load_safely(Results(out).state_path, "a scoring state")
+    monitor, names = Monitor.from_state_dict(saved["monitor"]), saved["settings"]["classes"]
+    det, thr = monitor.detector, monitor.threshold
+    if thr.theta is not None:
+        origin = "the reference scores" if thr.source == "reference" else f"the warm-up of {thr.warmup} images"
+        return f"monitoring: images scoring above θ = {thr.theta:.4g} are flagged (θ from {origin})"
+    if det.calibrated: return f"warm-up: {len(thr.seen)} of the {thr.warmup} calibrated images the threshold is read from; no image is flagged yet"
+    held = ", ".join(f"{c} holds {k}" for c, k in zip(names, det.bank.counts.tolist()))
+    return f"bank filling: {held} of the {det.config.k_min} confident images each class needs; no image is flagged yet"
+
 def score_main(argv:list|None=None): # the arguments after `score`; None: sys.argv[2:]
     "`proton-ood score`: score a folder, list or cache as one stream, appending to its results; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -462,6 +474,7 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
                                   args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,
                                   chunk_size=args.chunk_size, batch_size=args.batch_size, workers=args.workers, strict=args.strict, progress=not args.no_progress)
     print(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
+    print(f"  {stream_status(args.out)}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
         if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")
         else: print(f"proton-ood score: warning: {w.message}", file=sys.stderr)

@@ -414,7 +414,6 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
     os.replace(tmp, path)  # yesterday's audit stays whole until today's is
     return audit
 
-
 # %% ../../nbs/47_score.ipynb
 def _parser():
     p = argparse.ArgumentParser(prog="proton-ood score", description="Score your own images (or an embedding cache) as one stream, resumably.")

@@ -59,4 +59,3 @@ def load_vlm(name:str, # a key of `MODELS` (or an alias), or "open_clip:<arch>/<
         return load_open_clip_spec(name, checkpoint, device, **kwargs)
     module, function = MODELS[key].split(":")
     return getattr(importlib.import_module(module), function)(checkpoint, device=device, **kwargs)
-

@@ -358,10 +358,11 @@ def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-h
         arch, pretrained, local = f"local-dir:{pretrained}", None, False
     tag = None if local else pretrained
     build = lambda: open_clip.create_model_and_transforms(arch, pretrained=tag, device=device, weights_only=True)
-    from_source = tag is not None or arch.startswith(("hf-hub:", "local-dir:"))
-    if arch.startswith("hf-hub:"): how = f"download {arch[7:]} where there is internet (huggingface_hub.snapshot_download) and pass a folder holding its snapshot as checkpoint= (--checkpoint)"
-    else: how = f"download them where there is internet and pass its weights file, as open_clip:{arch}/<file>"
-    model, _, transform = _build_from_hub(build, name, how) if tag is not None or arch.startswith("hf-hub:") else build() if from_source else _random_init_quietly(build, seed)
+    if tag is not None or arch.startswith("hf-hub:"):  # weights from the hub, or its cache
+        how = (f"download {arch[7:]} where there is internet (huggingface_hub.snapshot_download) and pass a folder holding its snapshot as checkpoint= (--checkpoint)"
+               if arch.startswith("hf-hub:") else f"download them where there is internet and pass its weights file, as open_clip:{arch}/<file>")
+        model, _, transform = _build_from_hub(build, name, how)
+    else: model, _, transform = build() if arch.startswith("local-dir:") else _random_init_quietly(build, seed)
     if local: load_state_strict(model, load_weights(pretrained), f"open_clip weights {pretrained}")
     return OpenClipVLM(model, transform, open_clip.get_tokenizer(arch), name, device)
 

@@ -198,3 +198,10 @@ def test_command_refuses_an_out_that_is_one_of_its_caches(cache, tmp_path, capsy
     err = capsys.readouterr().err
     assert "would overwrite the cache" in err and err.count("\n") == 1, err
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "sub"]
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, float("nan")])
+def test_a_misrouted_share_outside_0_1_is_named_as_such(cache, value):
+    "evaluate(misrouted=1.5) said 'fraction must be in [0, 1]', a name the caller never gave."
+    with pytest.raises(ValueError, match=r"the misrouted share must be in \[0, 1\], got"):
+        evaluate(cache, ["mcm"], misrouted=value, n_permutations=1, progress=False)

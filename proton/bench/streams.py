@@ -91,7 +91,7 @@ def misroute(cache:EmbeddingCache, # the images to route
              seed:int=0): # seed of the choice of images and of their wrong classes
     "(N,) class each image is routed to: its zero-shot class, but a random other class for round(f·N) random images."
     check_cache(cache)
-    if not 0 <= fraction <= 1: raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    if not 0 <= fraction <= 1: raise ValueError(f"the misrouted share must be in [0, 1], got {fraction}")
     if cache.n_classes < 2: raise ValueError("misrouting needs at least two classes, the cache has one")
     routed = cache.predicted().astype(np.int64)
     rng = np.random.default_rng(seed)

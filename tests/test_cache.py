@@ -399,7 +399,7 @@ def test_misrouting_with_three_classes_reaches_both_other_classes():
 
 
 def test_misrouting_refuses_impossible_requests():
-    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"the misrouted share must be in \[0, 1\]"):
         misroute(CACHE, -0.1)
 
 

@@ -1,6 +1,5 @@
 """Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
 import io
-import os
 
 import numpy as np
 import pytest
@@ -124,20 +123,3 @@ def test_corrupt_state_is_refused(key, value, message):
 def test_state_from_another_configuration_is_refused():
     sd = Proton(T, CFG).state_dict()
     with pytest.raises(ValueError, match=r"bank_size=10 \(here 100\)"): Proton(T, ProtonConfig(temperature=0.2, k_min=2)).load_state_dict(sd)
-
-
-@pytest.mark.skipif(not hasattr(os, "umask") or os.name != "posix", reason="POSIX permissions")
-def test_a_saved_state_has_the_permissions_of_a_new_file_or_of_the_one_it_replaces(tmp_path):
-    "The scoring state beside shared results must be readable as they are: not 0600 from a temporary file, and a chmod must survive the next save."
-    import stat
-    from proton.deploy import save_state
-    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
-    old = os.umask(0o022)
-    try:
-        save_state({"a": torch.zeros(2)}, tmp_path / "s.pt")
-        assert mode(tmp_path / "s.pt") == 0o644
-        os.chmod(tmp_path / "s.pt", 0o640)
-        save_state({"a": torch.ones(2)}, tmp_path / "s.pt")
-        assert mode(tmp_path / "s.pt") == 0o640 and torch.load(tmp_path / "s.pt")["a"].sum() == 2
-    finally: os.umask(old)
-    assert [p.name for p in tmp_path.iterdir()] == ["s.pt"]

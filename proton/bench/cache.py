@@ -9,7 +9,6 @@ __all__ = ['CACHE_FORMAT', 'EmbeddingCache', 'check_cache', 'CorruptCacheError',
 import hashlib
 import json
 import os
-import secrets
 import zipfile
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..deploy import replace_atomically
 from ..scores import MIN_NORM, as_unit_rows, check_temperature
 from .synth import SHIFTS, SyntheticWorld
 
@@ -303,28 +303,11 @@ def _content_hash(self:EmbeddingCache):
 EmbeddingCache._contents, EmbeddingCache.content_hash = _contents, _content_hash
 
 # %% ../../nbs/20_cache.ipynb
-def _fsync_dir(path:Path):
-    "Make a rename in `path` durable (POSIX; a no-op where directories cannot be opened)."
-    try: fd = os.open(path, os.O_RDONLY)
-    except OSError: return
-    try: os.fsync(fd)
-    except OSError: pass  # some file systems refuse fsync on directories; the rename itself is still atomic
-    finally: os.close(fd)
-
 def write_npz_atomic(path:Path, # destination; an existing file is replaced only once the new one is complete
                      arrays:dict, # name -> numpy array
                      header:str): # JSON text stored beside the arrays and covered by the digest
-    "Write `arrays`, `header` and their SHA-256 to `path`: temporary file, fsync, rename."
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            np.savez(f, header=np.array(header), sha256=np.array(content_digest(arrays, header)), **arrays)
-            f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    "Write `arrays`, `header` and their SHA-256 to `path` with `replace_atomically`."
+    replace_atomically(path, lambda f: np.savez(f, header=np.array(header), sha256=np.array(content_digest(arrays, header)), **arrays))
 
 def _save(self:EmbeddingCache,
           path): # where to write, conventionally ending in .npz

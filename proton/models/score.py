@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, save_state, torch_load_safely
+from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, replace_atomically, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from . import model_device
 from .extract import default_workers, read_prompt_file, resolve_prompts
@@ -197,9 +197,7 @@ class Results:
         schema, new = pa.schema([(c, arrow[_kind(c)]) for c in columns]), list(self._appended(self.saved, cut=False))
         parts = [pq.read_table(self.out).slice(0, self.saved["stored"]).cast(schema)] if self.saved["stored"] else []  # cast: a file written before the types were fixed
         parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], arrow[_kind(c)]) for j, c in enumerate(columns)], schema=schema))
-        tmp = self.out.with_name(f".{self.out.name}.tmp")
-        pq.write_table(pa.concat_tables(parts), tmp)
-        os.replace(tmp, self.out)
+        replace_atomically(self.out, lambda f: pq.write_table(pa.concat_tables(parts), f))
         self._save(self.saved | dict(bytes=0, stored=self.saved["rows"]))  # a kill before this line: the rows are read from the journal, as committed
         # the journal keeps its bytes until the next run cuts it: a reader that loaded the previous state still finds them
 
@@ -407,11 +405,10 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
     saved, rows = Results(out).load(columns=AUDIT_COLUMNS)
     if saved is None: raise ValueError(f"no scored stream at {out}")
     audit = audit_rows(rows, saved["settings"]["classes"], saved["settings"]["config"]["bank_size"])
-    path = Path(path); tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(["class", "slot", "path", "index"]); w.writerows(audit)
-    os.replace(tmp, path)  # yesterday's audit stays whole until today's is
+    text = io.StringIO()
+    w = csv.writer(text, lineterminator="\n")
+    w.writerow(["class", "slot", "path", "index"]); w.writerows(audit)
+    replace_atomically(path, lambda f: f.write(text.getvalue().encode()))  # yesterday's audit stays whole until today's is
     return audit
 
 # %% ../../nbs/47_score.ipynb

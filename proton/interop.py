@@ -48,10 +48,12 @@ class OpenOODPostprocessor:
         parts = self.detector.score(net(data), return_parts=True)
         return parts.predicted, -parts.score
     def inference(self, net, data_loader, progress:bool=True):
-        "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays."
+        "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays; each batch goes to the device of `net`'s weights."
         from tqdm.auto import tqdm
+        device = next((p.device for p in net.parameters()), None) if isinstance(net, torch.nn.Module) else None
         preds, confs, labels = [], [], []
         for batch in tqdm(data_loader, disable=not progress):
-            pred, conf = self.postprocess(net, batch["data"])
+            data = batch["data"] if device is None else batch["data"].to(device)  # as OpenOOD's evaluator moves it to the GPU
+            pred, conf = self.postprocess(net, data)
             preds.append(pred.cpu()); confs.append(conf.cpu()); labels.append(torch.as_tensor(batch["label"]).cpu())
         return tuple(torch.cat(x).numpy() for x in (preds, confs, labels))

@@ -636,5 +636,6 @@ d = { 'settings': { 'branch': 'main',
                                'proton.scores.get_base_score': ('scores.html#get_base_score', 'proton/scores.py'),
                                'proton.scores.max_logit_score': ('scores.html#max_logit_score', 'proton/scores.py'),
                                'proton.scores.mcm_score': ('scores.html#mcm_score', 'proton/scores.py'),
+                               'proton.scores.plain_number': ('scores.html#plain_number', 'proton/scores.py'),
                                'proton.scores.top_softmax': ('scores.html#top_softmax', 'proton/scores.py'),
                                'proton.scores.zero_shot_logits': ('scores.html#zero_shot_logits', 'proton/scores.py')}}}

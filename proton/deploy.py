@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .detector import Proton
-from .scores import as_unit_rows, top_softmax, zero_shot_logits
+from .scores import as_unit_rows, plain_number, top_softmax, zero_shot_logits
 
 # %% ../nbs/50_deploy.ipynb
 def _fsync_dir(path:Path):
@@ -96,9 +96,10 @@ class WarmupThreshold:
     def __init__(self,
                  warmup:int=200, # W, calibrated scores the threshold is read from; they are assumed to be ID (a clean start)
                  id_recall:float=0.95): # q, fraction of ID images that should pass unflagged
-        if isinstance(warmup, bool) or int(warmup) != warmup or warmup < 2: raise ValueError(f"warmup must be an integer of at least 2, got {warmup}")
-        if not 0 < id_recall < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall}")
-        self.warmup, self.id_recall = int(warmup), float(id_recall)
+        w, q = plain_number(warmup, whole=True), plain_number(id_recall)
+        if w is None or w < 2: raise ValueError(f"warmup must be an integer of at least 2, got {warmup!r}")
+        if q is None or not 0 < q < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall!r}")
+        self.warmup, self.id_recall = w, q
         self.seen, self.theta, self.mean, self.std, self.source = [], None, None, None, None
 
     def __repr__(self):
@@ -151,8 +152,9 @@ class CusumDrift:
     def __init__(self,
                  k:float=0.5, # allowance, in standard deviations: drifts smaller than about 2k are not chased
                  h:float=5.):  # decision level, in standard deviations: higher means fewer false alarms and later ones
-        if not (0 <= k < math.inf and 0 < h < math.inf): raise ValueError(f"need k >= 0 and h > 0, finite, got k={k}, h={h}")
-        self.k, self.h, self.statistic, self.alarms = float(k), float(h), 0., 0
+        a, b = plain_number(k), plain_number(h)
+        if a is None or b is None or not (0 <= a < math.inf and 0 < b < math.inf): raise ValueError(f"need k >= 0 and h > 0, finite, got k={k!r}, h={h!r}")
+        self.k, self.h, self.statistic, self.alarms = a, b, 0., 0
 
     def __repr__(self): return f"CusumDrift(k={self.k}, h={self.h}, C={self.statistic:.3g}, alarms={self.alarms})"
 

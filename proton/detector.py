@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, compute_dtype, get_base_score, zero_shot_logits
+from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, compute_dtype, get_base_score, zero_shot_logits
 from .bank import PrototypeBank, passes_gate
 from .proto import proto_score
 from .fusion import Welford, adaptive_fusion
@@ -36,16 +36,20 @@ class ProtonConfig:
 
     def __post_init__(self):
         c = self
+        for f in ("gamma", "alpha_min", "alpha_max", "var_ref", "slope"):  # plain numbers, so a saved state loads with weights_only
+            if plain_number(getattr(c, f)) is None: raise ValueError(f"{f} must be a number, got {getattr(c, f)!r}")
+            object.__setattr__(self, f, plain_number(getattr(c, f)))
+        k_min, bank_size, warmup = (plain_number(getattr(c, f), whole=True) for f in ("k_min", "bank_size", "warmup"))
+        if k_min is None or k_min < 1: raise ValueError(f"k_min must be a positive integer, got {c.k_min!r}")
+        if bank_size is None or bank_size < k_min: raise ValueError(f"bank_size must be an integer at least k_min={k_min}, got {c.bank_size!r}")
+        if warmup is None or warmup < 0: raise ValueError(f"warmup must be a non-negative integer, got {c.warmup!r}")
+        for f, v in dict(k_min=k_min, bank_size=bank_size, warmup=warmup).items(): object.__setattr__(self, f, v)
         if not 0 < c.gamma <= 1: raise ValueError(f"gamma must be in (0, 1], got {c.gamma}")
-        if int(c.k_min) != c.k_min or c.k_min < 1: raise ValueError(f"k_min must be a positive integer, got {c.k_min}")
-        if int(c.bank_size) != c.bank_size or c.bank_size < c.k_min:
-            raise ValueError(f"bank_size must be an integer at least k_min={c.k_min}, got {c.bank_size}")
         if c.temperature is not None: object.__setattr__(self, "temperature", check_temperature(c.temperature))
         if not 0 <= c.alpha_min <= c.alpha_max <= 1:
             raise ValueError(f"need 0 <= alpha_min <= alpha_max <= 1, got alpha_min={c.alpha_min}, alpha_max={c.alpha_max}")
         if not 0 <= c.var_ref < math.inf: raise ValueError(f"var_ref must be non-negative and finite, got {c.var_ref}")
         if not 0 <= c.slope < math.inf: raise ValueError(f"slope must be non-negative and finite, got {c.slope}")
-        if isinstance(c.warmup, bool) or int(c.warmup) != c.warmup or c.warmup < 0: raise ValueError(f"warmup must be a non-negative integer, got {c.warmup}")
         get_base_score(c.base_score)
 
 DEFAULT_TEMPERATURE = 0.01  # CLIP's learned τ (logit scale 100), when neither the user nor the model gives one

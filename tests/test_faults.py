@@ -1,9 +1,11 @@
 """Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
 import io
+import re
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from proton import Proton, ProtonConfig
 from reference import clustered_stream
@@ -75,9 +77,40 @@ def test_misbehaving_base_score_is_refused():
     (dict(alpha_min=0.9, alpha_max=0.7), "alpha_min <= alpha_max"),
     (dict(var_ref=-0.1), "var_ref must be non-negative"),
     (dict(base_score="odin"), "unknown base score 'odin'"),
+    (dict(gamma="0.7"), "gamma must be a number, got '0.7'"), (dict(slope=True), "slope must be a number, got True"),
+    (dict(bank_size="10"), "bank_size must be an integer at least k_min=5, got '10'"),
+    (dict(k_min=2.5), "k_min must be a positive integer, got 2.5"), (dict(warmup=3.5), "warmup must be a non-negative integer, got 3.5"),
+    (dict(alpha_max=np.array([0.5, 0.7])), "alpha_max must be a number"),
 ])
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message): ProtonConfig(**kwargs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(whole=st.sampled_from([int, float, np.int64, np.int32, np.uint16, np.float64, lambda v: torch.tensor(v)]),
+       real=st.sampled_from([float, int, np.float32, np.float64, np.int64, lambda v: torch.tensor(float(v))]))
+def test_a_config_of_numpy_or_torch_numbers_holds_plain_numbers_and_its_state_loads_safely(whole, real):
+    "A grid of settings from numpy (np.arange, np.linspace) gave a detector whose saved state `weights_only` refused to load."
+    cfg = ProtonConfig(gamma=real(1), bank_size=whole(10), k_min=whole(2), alpha_min=real(0), alpha_max=real(1), var_ref=real(0),
+                       slope=real(50), warmup=whole(4), temperature=real(1) / 5)
+    assert {f: type(getattr(cfg, f)).__name__ for f in ("bank_size", "k_min", "warmup")} == dict.fromkeys(("bank_size", "k_min", "warmup"), "int")
+    assert {type(getattr(cfg, f)) for f in ("gamma", "alpha_min", "alpha_max", "var_ref", "slope", "temperature")} == {float}
+    det = Proton(T, cfg); scores = det.score(E[:60])
+    buf = io.BytesIO(); torch.save(det.state_dict(), buf); buf.seek(0)
+    restored = Proton.from_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(restored.score(E[60:90]), det.score(E[60:90]))
+
+
+@pytest.mark.parametrize("make, message", [
+    (dict(warmup="50"), "warmup must be an integer of at least 2, got '50'"),
+    (dict(id_recall="0.9"), "id_recall must be in (0, 1), got '0.9'"),
+    (dict(id_recall=np.array([0.9, 0.8])), "id_recall must be in (0, 1), got array"),
+    (dict(k="1"), "need k >= 0 and h > 0, finite, got k='1'"),
+    (dict(h=None), "need k >= 0 and h > 0, finite, got k=0.5, h=None"),
+])
+def test_bad_monitor_settings(make, message):
+    from proton.deploy import CusumDrift, WarmupThreshold
+    with pytest.raises(ValueError, match=re.escape(message)): (CusumDrift if {"k", "h"} & set(make) else WarmupThreshold)(**make)
 
 
 def test_bad_text_embeddings():

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import proton.models.score as score_module
 from proton.bench import EmbeddingCache, SyntheticWorld
 from proton.deploy import save_state
 from proton.detector import ProtonConfig
@@ -75,11 +74,8 @@ def test_a_failed_parquet_rewrite_keeps_the_file_and_leaves_no_temporary_file(tm
 def test_a_failed_audit_keeps_the_previous_audit_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     path = write_audit_file(tmp_path, 0)
     before = path.read_bytes()
-    class Full:
-        def __init__(self, f, **kw): self.f = f
-        def writerow(self, row): self.f.write(",".join(map(str, row)) + "\n")
-        def writerows(self, rows): raise OSError(28, "No space left on device")
-    monkeypatch.setattr(score_module.csv, "writer", Full)
+    def full(fd): raise OSError(28, "No space left on device")  # the disk fills as the written bytes reach it
+    monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError, match="No space"): write_audit(tmp_path / "r.csv", path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

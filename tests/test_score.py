@@ -1,4 +1,5 @@
 """`proton-ood score`: incremental runs, a killed run resumed, the bank audit against the detector, and one-line errors."""
+import os
 import re
 import shutil
 import subprocess
@@ -596,3 +597,74 @@ def test_the_command_says_where_the_stream_stands(tmp_path, capsys):
         if n == 3: assert re.search(r"bank filling: class 0 holds \d+, class 1 holds \d+ of the 5 confident images each class needs; no image is flagged yet", line), line
     assert stages[-1] == "monitoring" and stages == sorted(stages, key=["bank filling", "warm-up", "monitoring"].index), stages
     assert re.search(r"monitoring: images scoring above θ = -?\d\.\d+ are flagged \(θ from the warm-up of 50 images\)", line), line
+
+
+EDITS = {"saved with CRLF line ends": lambda b: b.replace(b"\n", b"\r\n"),
+         "last newline removed": lambda b: b[:-1],
+         "a score retyped": lambda b: b.replace(b",0.", b",1.", 1),
+         "a row deleted": lambda b: b"\n".join(l for i, l in enumerate(b.split(b"\n")) if i != 5)}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_results_edited_by_hand_are_named_and_left_as_they_are(tmp_path, edit):
+    "The next run must neither cut the edited file nor glue its rows to new ones: it names the change and writes nothing."
+    out = tmp_path / "r.csv"
+    run(cache_file(tmp_path / "c.npz", 230), out)
+    out.write_bytes(EDITS[edit](out.read_bytes()))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("r")}
+    with pytest.raises(ValueError, match="changed by hand"): run(cache_file(tmp_path / "c.npz"), out)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("r")} == before
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_name_with_a_carriage_return_is_one_row_that_the_next_run_reads_back(tmp_path, random_vlm, suffix):
+    "POSIX allows any byte but / and NUL in a name; csv quotes a field with a newline but not one with a carriage return."
+    if suffix == ".parquet": pytest.importorskip("pyarrow")
+    import shutil as sh
+    folder = photo_folder(tmp_path / "in", n=4, broken=())
+    sh.copy(folder / "0.png", folder / "scan\r1.png")
+    out = tmp_path / f"r{suffix}"
+    assert run_images(folder, out, random_vlm) == (5, 5)
+    (folder / "4.png").write_bytes((folder / "1.png").read_bytes())
+    assert run_images(folder, out, random_vlm) == (1, 6)
+    paths = [r[0] for r in Results(out).load(columns=["path"])[1]]
+    assert str(folder / "scan\r1.png") in paths and len(set(paths)) == 6
+
+
+def test_an_image_whose_name_is_not_utf8_is_left_out_with_a_warning_naming_it(tmp_path, random_vlm):
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    latin = os.fsencode(folder) + b"/caf\xe9.png"
+    shutil.copy(folder / "0.png", latin)
+    with pytest.warns(UserWarning, match=r"not UTF-8.*caf\\udce9\.png|caf.*not UTF-8"):
+        assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
+    assert len((tmp_path / "r.csv").read_text(encoding="utf-8").splitlines()) == 4
+
+
+@pytest.mark.parametrize("flag,what", [("--prompts", "the prompt file"), ("--checkpoint", "the model's weights")])
+def test_the_command_refuses_an_audit_over_its_prompt_file_or_weights(tmp_path, flag, what):
+    folder = photo_folder(tmp_path / "in", n=2, broken=())
+    (tmp_path / "given.txt").write_text("a photo of a cat\na photo of a dog\n")
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "cat,dog",
+                   flag, str(tmp_path / "given.txt"), "--audit", str(tmp_path / "given.txt"), "--no-progress")
+    assert one_line_error(r) and f"would overwrite {what}" in r.stderr, r.stderr
+    assert (tmp_path / "given.txt").read_text() == "a photo of a cat\na photo of a dog\n"
+
+
+@pytest.mark.parametrize("text", ["-0,55\n-0,52\n-0,61\n", "0.1,0.2\n0.3,0.4\n"])
+def test_reference_scores_with_several_values_a_line_are_refused(tmp_path, text):
+    (tmp_path / "ref.txt").write_text(text)
+    with pytest.raises(ValueError, match=r"ref\.txt: line 1 holds 2 values"): read_reference_scores(tmp_path / "ref.txt")
+
+
+@pytest.mark.parametrize("v", [2.0, float("nan"), float("inf"), "3"])
+def test_a_chunk_size_that_is_not_a_whole_number_is_refused_before_any_file(tmp_path, v):
+    cache = cache_file(tmp_path / "c.npz", 50)
+    if v == 2.0: assert score_stream(cache, tmp_path / "r2.csv", chunk_size=v, progress=False) == (50, 50)  # a whole number, as a float
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"chunk_size must be a positive integer, got {v!r}")):
+            score_stream(cache, tmp_path / "r2.csv", chunk_size=v, progress=False)
+        assert not list(tmp_path.glob("r2*"))
+
+
+def test_an_empty_results_name_is_named(tmp_path):
+    with pytest.raises(ValueError, match="the results file must end in .csv or .parquet"): Results("")

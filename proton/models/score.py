@@ -155,13 +155,15 @@ class Results:
             yield
 
     def _committed(self, saved:dict):
-        "The committed bytes of the CSV file or the journal (b'' if it is gone), refused unless they are those the state's SHA-256 names."
-        if not self.appended.exists(): return b""  # its stream was being discarded, or a hand removed it: the count tells which
-        with open(self.appended, "rb") as f: data = f.read(saved["bytes"])
-        if "sha256" in saved and hashlib.sha256(data).hexdigest() != saved["sha256"]:  # states from before the checksum: the counts below
+        "(the committed bytes of the CSV file or the journal, b'' if it is gone; their SHA-256), refused unless it is the one the state names."
+        data = b""  # the file is gone: its stream was being discarded, or a hand removed it, and the count tells which
+        if self.appended.exists():
+            with open(self.appended, "rb") as f: data = f.read(saved["bytes"])
+        digest = hashlib.sha256(data)
+        if self.appended.exists() and saved.get("sha256", digest.hexdigest()) != digest.hexdigest():  # a state from before the checksum: the counts tell
             raise ValueError(f"{self.appended} was changed by hand since its last run (its committed rows are not those its state names); "
                              "restore it, or choose another --out")
-        return data
+        return data, digest
 
     def _appended(self, data:bytes, width:int):
         "The rows of the committed bytes, one list of `width` strings at a time."
@@ -186,11 +188,11 @@ class Results:
             import pyarrow.parquet as pq
             table = pq.read_table(self.out, columns=[names[j] for j in keep]).slice(0, saved["stored"])
             rows = [list(map(_text, r)) for r in zip(*(c.to_pylist() for c in table.columns))]
-        data = self._committed(saved)
+        data, digest = self._committed(saved)
         rows += [[r[j] for j in keep] for r in self._appended(data, len(names))]
         if len(rows) != saved["rows"]: raise ValueError(f"{self.out} holds {len(rows)} committed rows, its state says {saved['rows']}; it was changed by hand")
         if cut and self.appended.exists() and self.appended.stat().st_size > len(data): os.truncate(self.appended, len(data))  # a killed run's rows
-        self.saved, self.digest = saved, hashlib.sha256(data)
+        self.saved, self.digest = saved, digest
         return saved, rows
 
     def discard(self):
@@ -224,7 +226,7 @@ class Results:
         if not self.parquet or (self.out.exists() and self.saved["stored"] == self.saved["rows"]): return
         import pyarrow as pa, pyarrow.parquet as pq
         arrow = dict(float=pa.float64(), bool=pa.bool_(), int=pa.int64(), str=pa.string())
-        schema, new = pa.schema([(c, arrow[_kind(c)]) for c in columns]), list(self._appended(self._committed(self.saved), len(columns)))
+        schema, new = pa.schema([(c, arrow[_kind(c)]) for c in columns]), list(self._appended(self._committed(self.saved)[0], len(columns)))
         parts = [pq.read_table(self.out).slice(0, self.saved["stored"]).cast(schema)] if self.saved["stored"] else []  # cast: a file written before the types were fixed
         parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], arrow[_kind(c)]) for j, c in enumerate(columns)], schema=schema))
         replace_atomically(self.out, lambda f: pq.write_table(pa.concat_tables(parts), f))

@@ -331,6 +331,16 @@ def test_missing_class_folder(tmp_path):
     with pytest.raises(ValueError, match="missing class folder: classes.json lists class 'glaucoma'"): read_prepared(root)
 
 
+def test_two_classes_with_one_name_are_refused_before_any_image_is_read(tmp_path):
+    "A cache names each class once: class_names that repeat one are refused when the folder is read, before any image is encoded, and nothing is written."
+    root = make_prepared(tmp_path / "d")
+    info = json.loads((root / "classes.json").read_text())
+    (root / "classes.json").write_text(json.dumps({**info, "class_names": ["retina", "retina"]}))
+    with pytest.raises(ValueError, match="classes.json: class 'retina' is named twice"): read_prepared(root)
+    with pytest.raises(ValueError, match="named twice"): extract(MODEL, root, out=tmp_path / "c.npz", device="cpu", **{**RUN, "num_workers": 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"], "no cache and no shard folder"
+
+
 def test_empty_and_absent_folders(clip, tmp_path):
     (tmp_path / "empty" / "id").mkdir(parents=True)
     with pytest.raises(ValueError, match="no images in"): extract(clip, tmp_path / "empty", progress=False)

@@ -107,6 +107,8 @@ def _read_classes(root:Path):
     names = info.get("class_names", classes)
     if not isinstance(names, list) or len(names) != len(classes) or not all(isinstance(c, str) and c for c in names):
         raise ValueError(f"{path}: 'class_names' must be a list of {len(classes)} names, one per class, got {names!r}")
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None: raise ValueError(f"{path}: class {twice!r} is named twice; a cache names each class once")
     prompts = info.get("prompts")
     if prompts is not None and not isinstance(prompts, dict): raise ValueError(f"{path}: 'prompts' must map class folders to prompts")
     return classes, names, prompts, str(info.get("benchmark") or root.name)

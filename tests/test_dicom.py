@@ -64,6 +64,14 @@ def test_the_window_applies_to_rescaled_values(tmp_path):
     np.testing.assert_array_equal(multi, a)  # several windows: the first is the default
 
 
+def test_an_empty_window_is_no_window(tmp_path):
+    "WindowCenter and WindowWidth present with no value, as some exports write them: scaled as without a window, min to max."
+    stored = RAMP16 >> 4
+    plain = read_image(write_dicom(tmp_path / "plain.dcm", stored))
+    for k, tags in enumerate([dict(WindowCenter=None, WindowWidth=None), dict(WindowCenter=None, WindowWidth=400), dict(WindowCenter=40, WindowWidth=None)]):
+        np.testing.assert_array_equal(read_image(write_dicom(tmp_path / f"empty{k}.dcm", stored, **tags)), plain)
+
+
 def test_8_bit_grey_and_rgb_go_to_the_models_as_rgb(tmp_path):
     grey = np.arange(256, dtype=np.uint8).reshape(16, 16)
     np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g.dcm", grey)), grey)  # already full range: unchanged

@@ -72,6 +72,11 @@ def _one_line(e:Exception): # an error; pydicom's messages can run over several 
     "The error's message on one line."
     return " ".join(str(e).split())
 
+def _first_number(v): # a DICOM value: a number, several (the first is the default), or empty (None, "", [])
+    "The first number of `v` as a float; None when the element is empty."
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue": v = v[0] if len(v) else None
+    return None if v is None or v == "" else float(v)
+
 def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
     "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey or (H, W, 3) colour."
     try: pixels = ds.pixel_array
@@ -81,9 +86,8 @@ def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
     if colour: return pixels if pixels.dtype == np.uint8 else to_8_bits(pixels)
     slope, intercept = float(getattr(ds, "RescaleSlope", 1) or 1), float(getattr(ds, "RescaleIntercept", 0) or 0)
     x = pixels.astype(np.float64) * slope + intercept
-    first = lambda v: float(v[0] if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue" else v)
-    if "WindowCenter" in ds and "WindowWidth" in ds and first(ds.WindowWidth) >= 1:
-        c, w = first(ds.WindowCenter), first(ds.WindowWidth)
+    c, w = _first_number(ds.get("WindowCenter")), _first_number(ds.get("WindowWidth"))
+    if c is not None and w is not None and w >= 1:
         y = np.clip(((x - (c - .5)) / max(w - 1, 1e-12) + .5) * 255, 0, 255)
     elif pixels.dtype == np.uint8 and (slope, intercept) == (1, 0): y = x  # 8 bits as stored are grey levels already, as in a PNG
     else:

@@ -77,13 +77,23 @@ def _first_number(v): # a DICOM value: a number, several (the first is the defau
     if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue": v = v[0] if len(v) else None
     return None if v is None or v == "" else float(v)
 
+def _palette_to_rgb(pixels:np.ndarray, # (H, W) PALETTE COLOR indices
+                    ds): # their pydicom `Dataset`, which holds the colour lookup table
+    "(H, W, 3) uint8: the colours the table gives `pixels`, scaled to 8 bits as other colour images are."
+    try: from pydicom.pixels import apply_color_lut
+    except ImportError: from pydicom.pixel_data_handlers.util import apply_color_lut  # pydicom < 3
+    try: rgb = apply_color_lut(pixels, ds)[..., :3]  # an alpha table, where there is one, is not part of the image
+    except Exception as e: raise ValueError(f"cannot apply the PALETTE COLOR lookup table ({type(e).__name__}: {_one_line(e)})") from None
+    return rgb if rgb.dtype == np.uint8 else to_8_bits(rgb)
+
 def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
-    "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey or (H, W, 3) colour."
+    "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey, or (H, W, 3) colour (RGB, or PALETTE COLOR through its table)."
     try: pixels = ds.pixel_array
     except Exception as e: raise ValueError(f"cannot decode the DICOM pixel data ({type(e).__name__}: {_one_line(e)})") from None
     colour = int(getattr(ds, "SamplesPerPixel", 1)) == 3
     if pixels.ndim != (3 if colour else 2): raise ValueError(f"a DICOM file with {getattr(ds, 'NumberOfFrames', '?')} frames (pixels {pixels.shape}) is not one image")
     if colour: return pixels if pixels.dtype == np.uint8 else to_8_bits(pixels)
+    if str(getattr(ds, "PhotometricInterpretation", "")).strip().upper() == "PALETTE COLOR": return _palette_to_rgb(pixels, ds)
     slope, intercept = float(getattr(ds, "RescaleSlope", 1) or 1), float(getattr(ds, "RescaleIntercept", 0) or 0)
     x = pixels.astype(np.float64) * slope + intercept
     c, w = _first_number(ds.get("WindowCenter")), _first_number(ds.get("WindowWidth"))

@@ -363,6 +363,21 @@ def test_split_file_must_match_the_disk(tmp_path):
     with pytest.raises(ValueError, match="is not in far/tench/"): read_prepared(root)
 
 
+def test_a_dicom_file_without_a_suffix_is_an_image_of_the_folder(tmp_path):
+    "A PACS export names its files IM0001: the DICM marker makes such a file an image, as for `proton-ood score`; a file without it, or DICOMDIR, is not one."
+    pytest.importorskip("pydicom")
+    from test_dicom import write_dicom
+    root = make_prepared(tmp_path / "d", split=False)
+    write_dicom(root / "id/normal/IM0001", np.zeros((8, 8), np.uint16)); write_dicom(root / "id/normal/DICOMDIR", np.zeros((8, 8), np.uint16))
+    (root / "id/normal/notes").write_text("not an image"); (root / "far/tench/zeros").write_bytes(b"\0" * 200)
+    folder = read_prepared(root)
+    assert len(folder) == N + 1 and folder.labels[folder.files.index("id/normal/IM0001")] == CLASSES.index("normal")
+    make_prepared(root)  # with split.csv, which must then name it
+    with pytest.raises(ValueError, match=r"not listed in split.csv, e.g. \['id/normal/IM0001'\]"): read_prepared(root)
+    with open(root / "split.csv", "a") as f: f.write("id/normal/IM0001,id,normal,pacs\n")
+    assert read_prepared(root).sources[folder.files.index("id/normal/IM0001")] == "pacs"
+
+
 def test_unknown_model(data, tmp_path, capsys):
     assert extract_main(["--model", "biomedclip", "--data", str(data), "--out", str(tmp_path / "c.npz")]) == 1
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..bench.prepared import DICOM_SUFFIXES
+from ..bench.prepared import DICOM_SUFFIXES, has_dicom_marker
 from ..deploy import torch_load_safely
 from ..scores import as_unit_rows, check_temperature
 
@@ -62,11 +62,7 @@ def as_rgb_image(image): # a PIL image, or an (H, W), (H, W, 1), (H, W, 3) or (H
 def is_dicom(path:str|os.PathLike): # a file
     "Whether `path` is a DICOM file: by its suffix (`DICOM_SUFFIXES`), or by the 'DICM' marker after the 128-byte preamble."
     path = Path(path)
-    if path.suffix.lower() in DICOM_SUFFIXES: return True
-    try:
-        with open(path, "rb") as f: head = f.read(132)
-    except OSError: return False  # not readable: not known as DICOM (reading it as an image then says why)
-    return head[128:132] == b"DICM"
+    return path.suffix.lower() in DICOM_SUFFIXES or has_dicom_marker(path)
 
 def _one_line(e:Exception): # an error; pydicom's messages can run over several lines
     "The error's message on one line."

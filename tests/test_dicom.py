@@ -64,6 +64,14 @@ def test_the_window_applies_to_rescaled_values(tmp_path):
     np.testing.assert_array_equal(multi, a)  # several windows: the first is the default
 
 
+def test_an_empty_window_is_no_window(tmp_path):
+    "WindowCenter and WindowWidth present with no value, as some exports write them: scaled as without a window, min to max."
+    stored = RAMP16 >> 4
+    plain = read_image(write_dicom(tmp_path / "plain.dcm", stored))
+    for k, tags in enumerate([dict(WindowCenter=None, WindowWidth=None), dict(WindowCenter=None, WindowWidth=400), dict(WindowCenter=40, WindowWidth=None)]):
+        np.testing.assert_array_equal(read_image(write_dicom(tmp_path / f"empty{k}.dcm", stored, **tags)), plain)
+
+
 def test_8_bit_grey_and_rgb_go_to_the_models_as_rgb(tmp_path):
     grey = np.arange(256, dtype=np.uint8).reshape(16, 16)
     np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g.dcm", grey)), grey)  # already full range: unchanged
@@ -78,6 +86,27 @@ def test_8_bit_grey_without_a_window_is_read_as_stored(tmp_path):
     np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g1.dcm", grey, "MONOCHROME1")), 255 - grey)
     stretched = read_image(write_dicom(tmp_path / "r.dcm", grey, RescaleSlope=2, RescaleIntercept=-10))  # rescaled: no display range is known
     assert (stretched.min(), stretched.max()) == (0, 255)
+
+
+def write_palette_dicom(path, indices, lut, bits=16):
+    "Write the (H, W) uint8 palette `indices` with the colour lookup table `lut` ((K, 3) entries of `bits` bits) as a PALETTE COLOR file."
+    ds = pydicom.dcmread(write_dicom(path, indices, "PALETTE COLOR"))
+    for k, colour in enumerate(("Red", "Green", "Blue")):
+        ds[f"{colour}PaletteColorLookupTableDescriptor"] = pydicom.DataElement(0x00281101 + k, "US", [len(lut), 0, bits])
+        ds[f"{colour}PaletteColorLookupTableData"] = pydicom.DataElement(0x00281201 + k, "OW", lut[:, k].astype(f"<u{bits // 8}").tobytes())
+    ds.save_as(path)
+    return path
+
+
+def test_palette_colour_is_read_through_its_lookup_table(tmp_path):
+    "PALETTE COLOR pixels are indices into the file's colour table: the image is the table's colours, in 8 bits as other colour files are."
+    indices = np.array([[0, 1], [2, 3]], dtype=np.uint8).repeat(4, 0).repeat(4, 1)
+    colours = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 255]])  # red, green, blue, white
+    expected = colours[indices].astype(np.uint8)
+    np.testing.assert_array_equal(read_image(write_palette_dicom(tmp_path / "p16.dcm", indices, colours * 257)), expected)
+    np.testing.assert_array_equal(read_image(write_palette_dicom(tmp_path / "p8.dcm", indices, colours, bits=8)), expected)
+    assert np.asarray(as_rgb_image(read_image(tmp_path / "p16.dcm")))[0, 0].tolist() == [255, 0, 0]
+    with pytest.raises(ValueError, match="PALETTE COLOR.*lookup table"): read_image(write_dicom(tmp_path / "nolut.dcm", indices, "PALETTE COLOR"))
 
 
 def test_errors_name_the_problem(tmp_path, monkeypatch):

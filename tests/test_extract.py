@@ -331,6 +331,16 @@ def test_missing_class_folder(tmp_path):
     with pytest.raises(ValueError, match="missing class folder: classes.json lists class 'glaucoma'"): read_prepared(root)
 
 
+def test_two_classes_with_one_name_are_refused_before_any_image_is_read(tmp_path):
+    "A cache names each class once: class_names that repeat one are refused when the folder is read, before any image is encoded, and nothing is written."
+    root = make_prepared(tmp_path / "d")
+    info = json.loads((root / "classes.json").read_text())
+    (root / "classes.json").write_text(json.dumps({**info, "class_names": ["retina", "retina"]}))
+    with pytest.raises(ValueError, match="classes.json: class 'retina' is named twice"): read_prepared(root)
+    with pytest.raises(ValueError, match="named twice"): extract(MODEL, root, out=tmp_path / "c.npz", device="cpu", **{**RUN, "num_workers": 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"], "no cache and no shard folder"
+
+
 def test_empty_and_absent_folders(clip, tmp_path):
     (tmp_path / "empty" / "id").mkdir(parents=True)
     with pytest.raises(ValueError, match="no images in"): extract(clip, tmp_path / "empty", progress=False)
@@ -351,6 +361,21 @@ def test_split_file_must_match_the_disk(tmp_path):
     csv = (root / "split.csv").read_text().replace("far/tench/astronaut.jpg,far,tench", "far/church/astronaut.jpg,far,tench")
     (root / "split.csv").write_text(csv)
     with pytest.raises(ValueError, match="is not in far/tench/"): read_prepared(root)
+
+
+def test_a_dicom_file_without_a_suffix_is_an_image_of_the_folder(tmp_path):
+    "A PACS export names its files IM0001: the DICM marker makes such a file an image, as for `proton-ood score`; a file without it, or DICOMDIR, is not one."
+    pytest.importorskip("pydicom")
+    from test_dicom import write_dicom
+    root = make_prepared(tmp_path / "d", split=False)
+    write_dicom(root / "id/normal/IM0001", np.zeros((8, 8), np.uint16)); write_dicom(root / "id/normal/DICOMDIR", np.zeros((8, 8), np.uint16))
+    (root / "id/normal/notes").write_text("not an image"); (root / "far/tench/zeros").write_bytes(b"\0" * 200)
+    folder = read_prepared(root)
+    assert len(folder) == N + 1 and folder.labels[folder.files.index("id/normal/IM0001")] == CLASSES.index("normal")
+    make_prepared(root)  # with split.csv, which must then name it
+    with pytest.raises(ValueError, match=r"not listed in split.csv, e.g. \['id/normal/IM0001'\]"): read_prepared(root)
+    with open(root / "split.csv", "a") as f: f.write("id/normal/IM0001,id,normal,pacs\n")
+    assert read_prepared(root).sources[folder.files.index("id/normal/IM0001")] == "pacs"
 
 
 def test_unknown_model(data, tmp_path, capsys):

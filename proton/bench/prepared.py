@@ -5,7 +5,7 @@
 # %% auto 0
 __all__ = ['SPLIT_FILE', 'CLASSES_FILE', 'PROMPT_SETS_FILE', 'SPLIT_COLUMNS', 'DICOM_SUFFIXES', 'IMAGE_SUFFIXES', 'SKIPPED_FILES',
            'FIT', 'FOLDERS', 'image_path', 'check_claimable', 'claim_folder', 'write_split_table', 'write_classes_file',
-           'write_prompt_sets', 'PreparedFolder', 'read_prepared']
+           'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker', 'is_image_file', 'read_prepared']
 
 # %% ../../nbs/44_data.ipynb
 import csv
@@ -107,6 +107,8 @@ def _read_classes(root:Path):
     names = info.get("class_names", classes)
     if not isinstance(names, list) or len(names) != len(classes) or not all(isinstance(c, str) and c for c in names):
         raise ValueError(f"{path}: 'class_names' must be a list of {len(classes)} names, one per class, got {names!r}")
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None: raise ValueError(f"{path}: class {twice!r} is named twice; a cache names each class once")
     prompts = info.get("prompts")
     if prompts is not None and not isinstance(prompts, dict): raise ValueError(f"{path}: 'prompts' must map class folders to prompts")
     return classes, names, prompts, str(info.get("benchmark") or root.name)
@@ -130,6 +132,19 @@ def _read_prompt_sets(root:Path, classes:list):
     return {name: {c: list(prompts[c]) for c in classes} for name, prompts in sets.items()}
 
 # %% ../../nbs/44_data.ipynb
+def has_dicom_marker(path:str|os.PathLike): # a file
+    "Whether `path` holds DICOM's 'DICM' marker after the 128-byte preamble."
+    try:
+        with open(path, "rb") as f: head = f.read(132)
+    except OSError: return False  # not readable: not known as DICOM (reading it as an image then says why)
+    return head[128:132] == b"DICM"
+
+def is_image_file(path:str|os.PathLike): # a file
+    "Whether the file `path` is an image: by its suffix (`IMAGE_SUFFIXES`), or a DICOM file by its marker (DICOMDIR, an export's index, is not an image)."
+    path = Path(path)
+    if path.suffix.lower() in IMAGE_SUFFIXES: return True
+    return path.name.upper() != "DICOMDIR" and has_dicom_marker(path)  # some CD readers lower-case the names
+
 def _walk(top:str, # a folder
           rel:str): # its path relative to the prepared folder
     "(relative path, `os.DirEntry`) of everything under `top`, as `Path.rglob('*')` lists it: links to folders are not followed."
@@ -146,8 +161,8 @@ def _images_on_disk(root:Path):
         for rel, e in _walk(str(root / folder), folder):  # a DirEntry knows its type from the listing: no stat per file
             if e.is_symlink() and not os.path.exists(e.path): raise ValueError(f"{rel} is a broken link in {root}: its target {os.readlink(e.path)} does not exist")
             parts = rel.split("/")
-            if (not e.is_file() or os.path.splitext(e.name)[1].lower() not in IMAGE_SUFFIXES or e.name in SKIPPED_FILES
-                or any(part.startswith(".") for part in parts)): continue
+            if (not e.is_file() or e.name in SKIPPED_FILES or any(part.startswith(".") for part in parts)
+                or not is_image_file(e.path)): continue  # last: a file without an image suffix is opened to look for the DICOM marker
             if len(parts) != 3: raise ValueError(f"{root / rel}: images must sit at <shift>/<class>/<file>, this one is {len(parts) - 1} folders deep")
             found.append(rel)
     return found

@@ -29,8 +29,8 @@ from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
 from .extract import default_workers, read_prompt_file, resolve_prompts
-from ..bench.prepared import IMAGE_SUFFIXES
-from .vlm import is_dicom, read_image
+from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
+from .vlm import read_image
 
 # %% ../../nbs/47_score.ipynb
 ORDERS = ("name", "mtime", "list")
@@ -54,11 +54,6 @@ def read_file_list(path:str|os.PathLike): # a text file: one image path a line, 
     if len(set(paths)) < len(paths): raise ValueError(f"the file list {path} names a file twice")
     return paths
 
-def _is_image(path:Path): # a file or folder found in the source folder
-    "Whether `path` is an image file: by its suffix, or a DICOM file by its marker (DICOMDIR, an export's index, is not an image)."
-    if path.suffix.lower() in IMAGE_SUFFIXES: return path.is_file()
-    return path.name.upper() != "DICOMDIR" and path.is_file() and is_dicom(path)  # some CD readers lower-case the names
-
 def _is_text(path:str):
     "Whether a file name found on disk is UTF-8 text (POSIX names are bytes; Python keeps the others as lone surrogates)."
     try: path.encode("utf-8")
@@ -73,7 +68,7 @@ def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden
     if source.is_dir():
         if order == "list": raise ValueError(f"order 'list' needs a file list; {source} is a folder (use name or mtime)")
         paths = [os.path.abspath(p) for p in source.rglob("*")  # hidden: macOS's ._ files, .ipynb_checkpoints
-                 if not any(part.startswith(".") for part in p.relative_to(source).parts) and _is_image(p)]
+                 if not any(part.startswith(".") for part in p.relative_to(source).parts) and p.is_file() and is_image_file(p)]
         odd = [p for p in paths if not _is_text(p)]
         if odd:
             warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {source} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
@@ -432,7 +427,7 @@ def check_audit_path(path:str|os.PathLike, # the audit's CSV file
     if not path.parent.is_dir(): raise ValueError(f"cannot write the audit {path}: its folder does not exist")
     taken = {results.out: "the results file", results.state_path: "the stream's state", results.lock_path: "the results' lock",
              results.journal: "the results' journal", **{Path(k): what for what, k in (keep or {}).items() if k}}
-    what = next((v for k, v in taken.items() if k.resolve() == path), "an image" if path.is_file() and _is_image(path) else None)
+    what = next((v for k, v in taken.items() if k.resolve() == path), "an image" if path.is_file() and is_image_file(path) else None)
     if what: raise ValueError(f"the audit {path.name} would overwrite {what}; choose another file for it")
 
 def write_audit(out:str|os.PathLike, # the results file of `score_stream`

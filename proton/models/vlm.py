@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..bench.prepared import DICOM_SUFFIXES
+from ..bench.prepared import DICOM_SUFFIXES, has_dicom_marker
 from ..deploy import torch_load_safely
 from ..scores import as_unit_rows, check_temperature
 
@@ -62,28 +62,38 @@ def as_rgb_image(image): # a PIL image, or an (H, W), (H, W, 1), (H, W, 3) or (H
 def is_dicom(path:str|os.PathLike): # a file
     "Whether `path` is a DICOM file: by its suffix (`DICOM_SUFFIXES`), or by the 'DICM' marker after the 128-byte preamble."
     path = Path(path)
-    if path.suffix.lower() in DICOM_SUFFIXES: return True
-    try:
-        with open(path, "rb") as f: head = f.read(132)
-    except OSError: return False  # not readable: not known as DICOM (reading it as an image then says why)
-    return head[128:132] == b"DICM"
+    return path.suffix.lower() in DICOM_SUFFIXES or has_dicom_marker(path)
 
 def _one_line(e:Exception): # an error; pydicom's messages can run over several lines
     "The error's message on one line."
     return " ".join(str(e).split())
 
+def _first_number(v): # a DICOM value: a number, several (the first is the default), or empty (None, "", [])
+    "The first number of `v` as a float; None when the element is empty."
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue": v = v[0] if len(v) else None
+    return None if v is None or v == "" else float(v)
+
+def _palette_to_rgb(pixels:np.ndarray, # (H, W) PALETTE COLOR indices
+                    ds): # their pydicom `Dataset`, which holds the colour lookup table
+    "(H, W, 3) uint8: the colours the table gives `pixels`, scaled to 8 bits as other colour images are."
+    try: from pydicom.pixels import apply_color_lut
+    except ImportError: from pydicom.pixel_data_handlers.util import apply_color_lut  # pydicom < 3
+    try: rgb = apply_color_lut(pixels, ds)[..., :3]  # an alpha table, where there is one, is not part of the image
+    except Exception as e: raise ValueError(f"cannot apply the PALETTE COLOR lookup table ({type(e).__name__}: {_one_line(e)})") from None
+    return rgb if rgb.dtype == np.uint8 else to_8_bits(rgb)
+
 def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
-    "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey or (H, W, 3) colour."
+    "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey, or (H, W, 3) colour (RGB, or PALETTE COLOR through its table)."
     try: pixels = ds.pixel_array
     except Exception as e: raise ValueError(f"cannot decode the DICOM pixel data ({type(e).__name__}: {_one_line(e)})") from None
     colour = int(getattr(ds, "SamplesPerPixel", 1)) == 3
     if pixels.ndim != (3 if colour else 2): raise ValueError(f"a DICOM file with {getattr(ds, 'NumberOfFrames', '?')} frames (pixels {pixels.shape}) is not one image")
     if colour: return pixels if pixels.dtype == np.uint8 else to_8_bits(pixels)
+    if str(getattr(ds, "PhotometricInterpretation", "")).strip().upper() == "PALETTE COLOR": return _palette_to_rgb(pixels, ds)
     slope, intercept = float(getattr(ds, "RescaleSlope", 1) or 1), float(getattr(ds, "RescaleIntercept", 0) or 0)
     x = pixels.astype(np.float64) * slope + intercept
-    first = lambda v: float(v[0] if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue" else v)
-    if "WindowCenter" in ds and "WindowWidth" in ds and first(ds.WindowWidth) >= 1:
-        c, w = first(ds.WindowCenter), first(ds.WindowWidth)
+    c, w = _first_number(ds.get("WindowCenter")), _first_number(ds.get("WindowWidth"))
+    if c is not None and w is not None and w >= 1:
         y = np.clip(((x - (c - .5)) / max(w - 1, 1e-12) + .5) * 255, 0, 255)
     elif pixels.dtype == np.uint8 and (slope, intercept) == (1, 0): y = x  # 8 bits as stored are grey levels already, as in a PNG
     else:

@@ -219,6 +219,17 @@ def test_prompts_on_the_command_line(data, tmp_path, capsys):
     assert "got 1 prompts for 2 classes" in capsys.readouterr().err
 
 
+def test_a_text_prompt_file_is_one_prompt_per_line_even_when_a_prompt_begins_with_a_bracket(tmp_path):
+    "Only a .json file is JSON: a .txt file whose first prompt begins with [ or { is still one prompt per line."
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("[normal] a fundus photograph\n{dr} a fundus photograph with lesions\n")
+    assert ex.read_prompt_file(lines) == ["[normal] a fundus photograph", "{dr} a fundus photograph with lesions"]
+    as_json = tmp_path / "prompts.json"
+    as_json.write_text('["first", "second"]')
+    assert ex.read_prompt_file(as_json) == ["first", "second"]
+    as_json.write_text("[normal] a fundus photograph\n")
+    with pytest.raises(ValueError, match="is not valid JSON"): ex.read_prompt_file(as_json)
+
 # --- resuming --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("killed_after", [1, 4])

@@ -42,13 +42,13 @@ from . import VLM, load_vlm, model_device, prompt_ensemble
 from .vlm import as_rgb_image, pixels_to_float, read_image
 
 # %% ../../nbs/43_extract.ipynb
-def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts), or text with one prompt per line
+def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
     "The prompts in a file: a list (one per class) or a dict (class -> prompts)."
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"no prompt file at {path}")
     try: text = path.read_text(encoding="utf-8-sig")  # -sig: a byte order mark, as Windows editors write, is not part of the first prompt
     except UnicodeDecodeError as e: raise ValueError(f"cannot read the prompt file {path}: it is not UTF-8 text ({e})") from None
-    if path.suffix == ".json" or text.lstrip().startswith(("{", "[")):
+    if path.suffix.lower() == ".json":  # only by its name: a prompt per line may begin with [ or {, as "[normal] a fundus photograph"
         try: return json.loads(text)
         except ValueError as e: raise ValueError(f"prompt file {path} is not valid JSON: {e}") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -741,7 +741,7 @@ def _parser():
     p.add_argument("--data", required=True, help="prepared folder: <shift>/<class>/<file>, classes.json, split.csv")
     p.add_argument("--out", required=True, help="cache file to write (.npz); shards go to <out>.shards/")
     p.add_argument("--prompts", default=None, help="comma-separated prompts, one per class in label order, or a file "
-                   "(one per line, or JSON {class: [prompts]}); default: classes.json")
+                   "(one per line, or a .json file {class: [prompts]}); default: classes.json")
     p.add_argument("--prompt-sets", default=None, help="JSON file {set: {class: [prompts]}} of prompt sets for the prompt baselines "
                    "(default: the folder's prompt_sets.json); TAG's set is added from the class names")
     p.add_argument("--no-prompt-sets", action="store_true", help="store no prompt sets, not even TAG's")

@@ -411,6 +411,9 @@ def test_what_the_detector_would_refuse_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"text_embeddings rows \[2\] have zero length"): small(text_embeddings=T)
     T = small().text_embeddings.copy(); T[2] = 3 * T[0]
     with pytest.raises(ValueError, match=r"text_embeddings rows 0 and 2 point the same way"): small(text_embeddings=T)
+    L = small().local_embeddings.copy(); L[1, 2] = 0; L[5] = 0  # one zero patch of image 1, every patch of image 5
+    with pytest.raises(ValueError, match=r"local_embeddings of images \[1, 5\] have zero-length patches .*image 1: patches \[2\]; image 5: patches \[0, 1, 2, 3\]"):
+        small(local_embeddings=L)
     c = small()
     with pytest.raises(ValueError, match="a cache needs at least one image"):
         small(image_embeddings=c.image_embeddings[:0], labels=c.labels[:0], shift=c.shift[:0], source=None, local_embeddings=None)

@@ -205,3 +205,28 @@ def test_a_misrouted_share_outside_0_1_is_named_as_such(cache, value):
     "evaluate(misrouted=1.5) said 'fraction must be in [0, 1]', a name the caller never gave."
     with pytest.raises(ValueError, match=r"the misrouted share must be in \[0, 1\], got"):
         evaluate(cache, ["mcm"], misrouted=value, n_permutations=1, progress=False)
+
+
+def test_the_protocol_file_describes_the_results_beside_it_after_a_failed_run(cache, tmp_path, monkeypatch):
+    """A run that fails before it writes any results leaves the old results and the old protocol file; one that fails after
+    writing some lists only those in the protocol file."""
+    import json
+    from proton.cli import main
+    path, id_only = cache.save(tmp_path / "c.npz"), cache.subset(cache.shift == "id").save(tmp_path / "id_only.npz")
+    out, protocol = tmp_path / "r.csv", tmp_path / "r_protocol.json"
+    run = lambda cache_file, *options: main(["evaluate", str(cache_file), "--out", str(out), "--permutations", "1", "--no-progress", *options])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert run(path, "--rho", "0.7") == 0
+        results, written = out.read_bytes(), protocol.read_bytes()
+        assert json.loads(written)["rho"] == 0.7
+        assert run(id_only, "--rho", "0.5") == 1  # no OOD images: fails in the computation
+        assert out.read_bytes() == results and protocol.read_bytes() == written
+        real = evaluation._run_experiment
+        def failing(name, caches, args):
+            if name == "ablation": raise ValueError("the ablation failed")
+            return real(name, caches, args)
+        monkeypatch.setattr(evaluation, "_run_experiment", failing)
+        assert run(path, "--rho", "0.6", "--experiments", "main_table,ablation") == 1
+    written = json.loads(protocol.read_text())
+    assert written["rho"] == 0.6 and written["experiments"] == ["main_table"] and out.read_bytes() != results

@@ -149,6 +149,24 @@ def test_checkpoint_name_and_hash_are_recorded(clip, data, tmp_path):
     assert cache.metadata["checkpoint_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
 
 
+def test_weights_named_in_the_model_are_hashed_like_a_checkpoint(clip, data, tmp_path, monkeypatch):
+    """A weights file named inside the model (open_clip:<arch>/<file>) is part of the run fingerprint and of the metadata:
+    after the file changes, a resumed run recomputes its kept shards instead of mixing old image embeddings with new text ones."""
+    from proton.models.extract import file_sha256
+    from proton.models.vlm import load_open_clip
+    weights = tmp_path / "wdir" / "model.pt"
+    weights.parent.mkdir()
+    torch.save(clip.model.state_dict(), weights)
+    spec, out = f"open_clip:ViT-S-32/{weights}", tmp_path / "c.npz"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    first = extract(spec, data, out=out, keep_shards=True, **RUN)
+    first_sha256 = file_sha256(weights)
+    torch.save(load_open_clip("ViT-S-32", None, seed=1).model.state_dict(), weights)  # other weights under the same name
+    resumed, fresh = extract(spec, data, out=out, **RUN), extract(spec, data, **RUN)
+    assert same_cache(resumed, fresh) and not np.allclose(resumed.image_embeddings, first.image_embeddings)
+    assert first.metadata["checkpoint"] == "model.pt" and first.metadata["checkpoint_sha256"] == first_sha256
+    assert resumed.metadata["checkpoint_sha256"] == file_sha256(weights) != first_sha256
+
 def test_local_embeddings(clip, data):
     cache = extract(clip, data, local=True, **RUN)
     files = list(cache.source)
@@ -218,6 +236,17 @@ def test_prompts_on_the_command_line(data, tmp_path, capsys):
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(out), "--prompts", "only one"]) == 1
     assert "got 1 prompts for 2 classes" in capsys.readouterr().err
 
+
+def test_a_text_prompt_file_is_one_prompt_per_line_even_when_a_prompt_begins_with_a_bracket(tmp_path):
+    "Only a .json file is JSON: a .txt file whose first prompt begins with [ or { is still one prompt per line."
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("[normal] a fundus photograph\n{dr} a fundus photograph with lesions\n")
+    assert ex.read_prompt_file(lines) == ["[normal] a fundus photograph", "{dr} a fundus photograph with lesions"]
+    as_json = tmp_path / "prompts.json"
+    as_json.write_text('["first", "second"]')
+    assert ex.read_prompt_file(as_json) == ["first", "second"]
+    as_json.write_text("[normal] a fundus photograph\n")
+    with pytest.raises(ValueError, match="is not valid JSON"): ex.read_prompt_file(as_json)
 
 # --- resuming --------------------------------------------------------------------------------------------------------
 

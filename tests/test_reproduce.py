@@ -146,3 +146,29 @@ def test_a_later_domain_that_cannot_load_its_model_stops_the_run_before_the_firs
     err = capsys.readouterr().err.strip()
     assert err.startswith("proton-ood reproduce: error: radiology: ") and message in err and "\n" not in err, err
     assert not list((tmp_path / "report").rglob("*.npz")), "no cache was extracted"
+
+
+def test_a_cache_made_with_other_weights_or_a_missing_checkpoint_is_refused_before_anything_runs(tmp_path, capsys):
+    """An existing cache is reused only with the weights it was made with: another --checkpoint is refused in one line that names
+    the domain and both weights, and a checkpoint that does not exist is named, before anything is written."""
+    from proton.cli import main
+    from proton.models import load_vlm
+    from proton.models.extract import extract
+    from proton.models.reproduce import _cache_file, domain_cache
+    data, caches = tmp_path / "data", tmp_path / "caches"
+    make_domain(data / "ophthalmology", prompt_sets=False)
+    w1, w2 = tmp_path / "w1.pt", tmp_path / "w2.pt"
+    w1.write_bytes(b"the weights the cache was made with")
+    w2.write_bytes(b"other weights")
+    made = extract(load_vlm(MODEL), data / "ophthalmology", out=_cache_file("ophthalmology", caches, MODEL), checkpoint=w1,
+                   num_workers=0, progress=False)
+    assert domain_cache("ophthalmology", data / "ophthalmology", caches, MODEL, w1)[1].content_hash() == made.content_hash()
+    with pytest.raises(ValueError, match="ophthalmology: the cache .* was made with the weights w1.pt"):
+        domain_cache("ophthalmology", data / "ophthalmology", caches, MODEL)  # the model's own weights are not w1.pt either
+    args = ["reproduce", "--data", str(data), "--caches", str(caches), "--model", MODEL, "--permutations", "1", "--no-progress", "--device", "cpu"]
+    for checkpoint, messages in ((w2, ("made with the weights w1.pt", "w2.pt", "--caches")), (tmp_path / "absent.pt", ("no checkpoint file or folder at",))):
+        out = tmp_path / f"report_{checkpoint.stem}"
+        assert main(args + ["--out", str(out), "--checkpoint", str(checkpoint)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("proton-ood reproduce: error: ophthalmology: ") and all(m in err for m in messages) and "\n" not in err, err
+        assert not out.exists(), "nothing was written"

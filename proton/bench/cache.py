@@ -73,6 +73,15 @@ def _check_directions(E:np.ndarray, # (N, d) image embeddings
     same = np.flatnonzero((U[i] * U[j]).sum(1) > 1 - 1e-12)
     if len(same): raise ValueError(f"text_embeddings rows {i[same[0]]} and {j[same[0]]} point the same way: two classes with one text embedding cannot be told apart")
 
+def _check_patches(local:np.ndarray): # (N, L, d) local embeddings
+    "Raise unless every patch can be normalised, naming the images, and their patches, that have a zero-length one."
+    short = np.concatenate([np.linalg.norm(local[i:i + 256].astype(np.float64), axis=2) < MIN_NORM  # in chunks: all of it in float64 may not fit
+                            for i in range(0, len(local), 256)])
+    images = np.flatnonzero(short.any(1))
+    if len(images):
+        where = "; ".join(f"image {i}: patches {np.flatnonzero(short[i])[:8].tolist()}" for i in images[:5])
+        raise ValueError(f"local_embeddings of images {images[:5].tolist()} have zero-length patches that cannot be L2-normalised ({where})")
+
 # %% ../../nbs/20_cache.ipynb
 def _check_prompt_sets(embeddings, prompts, classes, sets, C:int, d:int):
     "The four prompt-set fields validated together: all None, or P embeddings, texts, classes in [0, C) and set names."
@@ -148,6 +157,7 @@ class EmbeddingCache:
             local = _floats(local, "local_embeddings", 3)
             if local.shape[0] != N or local.shape[2] != d:
                 raise ValueError(f"local_embeddings must have shape ({N}, L, {d}), got {local.shape}")
+            _check_patches(local)
         source = None if self.source is None else _strings(self.source, "source", N)
         if not isinstance(self.metadata, dict): raise ValueError(f"metadata must be a dict, got {type(self.metadata).__name__}")
         try: metadata = json.loads(json.dumps(self.metadata, allow_nan=False))

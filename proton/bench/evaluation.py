@@ -27,6 +27,7 @@ from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHO
                                     routed_score, split_held_out)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
+from ..deploy import replace_atomically
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
 from ..scores import as_unit_rows, compute_dtype
@@ -458,10 +459,13 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     simulated = all(c.metadata.get("simulated") for _, c in caches)
     protocol_file = out.with_name(f"{out.stem}_protocol.json")
     fitted_on = lambda c: f"fit split, {len(c.fit_labels)} images" if c.fit_labels is not None and args.protocol.fit_split else f"{args.protocol.held_out_fraction:.0%} of the ID images held out"
-    protocol_file.write_text(json.dumps(asdict(args.protocol) | dict(experiments=names, caches={label: dict(privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names))
-                                                                                               for label, c in caches}), indent=2) + "\n")
+    used = {label: dict(privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names)) for label, c in caches}
+    written = []
     for name in names:
         result = _run_experiment(name, caches, args)
         if result is None: print(f"\n{name}: skipped: it sweeps synthetic worlds, so it runs only without cache files"); continue
         _write(name, result, out, simulated, args.permutations)
+        written.append(name)  # the protocol file follows the results it describes, never precedes them: a failed run leaves the old pair
+        text = json.dumps(asdict(args.protocol) | dict(experiments=written, caches=used), indent=2) + "\n"
+        replace_atomically(protocol_file, lambda f: f.write(text.encode()))
     return 0

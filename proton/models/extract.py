@@ -39,16 +39,16 @@ import torch
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
 from . import VLM, load_vlm, model_device, prompt_ensemble
-from .vlm import as_rgb_image, pixels_to_float, read_image
+from .vlm import as_rgb_image, pixels_to_float, read_image, spec_weights
 
 # %% ../../nbs/43_extract.ipynb
-def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts), or text with one prompt per line
+def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
     "The prompts in a file: a list (one per class) or a dict (class -> prompts)."
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"no prompt file at {path}")
     try: text = path.read_text(encoding="utf-8-sig")  # -sig: a byte order mark, as Windows editors write, is not part of the first prompt
     except UnicodeDecodeError as e: raise ValueError(f"cannot read the prompt file {path}: it is not UTF-8 text ({e})") from None
-    if path.suffix == ".json" or text.lstrip().startswith(("{", "[")):
+    if path.suffix.lower() == ".json":  # only by its name: a prompt per line may begin with [ or {, as "[normal] a fundus photograph"
         try: return json.loads(text)
         except ValueError as e: raise ValueError(f"prompt file {path} is not valid JSON: {e}") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -667,7 +667,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             amp:bool=False, # encode under float16 autocast (faster on a GPU, less precise); False: float32
             decode_on_device:bool|None=None, # decode JPEG files on the model's device; None: when it is CUDA and the transform is recognised
             worker_share:float=0, # on the device path, the share of the files the workers decode all the same (spread evenly), to take work off the GPU
-            checkpoint:str|os.PathLike|None=None, # the weights file the model was loaded from (its name and hash go into the metadata)
+            checkpoint:str|os.PathLike|None=None, # the weights file the model was loaded from (its name and hash go into the metadata); None: the one its name holds, if any
             keep_shards:bool=False, # keep the shard folder after the cache is written
             strict:bool=False, # stop at the first unreadable image; False: leave unreadable images out and list them
             progress:bool=True): # show a progress bar
@@ -687,7 +687,8 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, share)
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
-    checkpoint_sha256 = None if checkpoint is None else file_sha256(checkpoint)
+    weights = spec_weights(vlm.name) if checkpoint is None else checkpoint  # open_clip:<arch>/<file> names its weights itself
+    checkpoint_sha256 = None if weights is None else file_sha256(weights)
     run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
@@ -716,7 +717,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
     fit = np.array(folder.shift) == "fit"
     keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
-    metadata = _metadata(vlm, folder, prompts, prompt_source, checkpoint, checkpoint_sha256, local, amp)
+    metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
     metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
                      worker_share=None if on_device is None else float(share))
     E = np.concatenate([p["image_embeddings"] for p in parts])
@@ -741,7 +742,7 @@ def _parser():
     p.add_argument("--data", required=True, help="prepared folder: <shift>/<class>/<file>, classes.json, split.csv")
     p.add_argument("--out", required=True, help="cache file to write (.npz); shards go to <out>.shards/")
     p.add_argument("--prompts", default=None, help="comma-separated prompts, one per class in label order, or a file "
-                   "(one per line, or JSON {class: [prompts]}); default: classes.json")
+                   "(one per line, or a .json file {class: [prompts]}); default: classes.json")
     p.add_argument("--prompt-sets", default=None, help="JSON file {set: {class: [prompts]}} of prompt sets for the prompt baselines "
                    "(default: the folder's prompt_sets.json); TAG's set is added from the class names")
     p.add_argument("--no-prompt-sets", action="store_true", help="store no prompt sets, not even TAG's")

@@ -29,6 +29,7 @@ from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
 from .extract import extract, file_sha256
+from .vlm import spec_weights
 
 # %% ../../nbs/45_reproduce.ipynb
 class Domain(NamedTuple):
@@ -58,6 +59,10 @@ def _cache_file(domain:str, caches:Path, model:str):
     "Where the cache of `domain` extracted by `model` lives in the folder `caches`."
     return Path(caches) / f"{domain}_{model.replace(':', '-').replace('/', '-')}.npz"
 
+def _weights(name:str|None, sha256:str|None):
+    "A checkpoint as an error message names it."
+    return f"the weights {name} (sha256 {sha256[:12]}…)" if sha256 else "no weights file (the model's default source)"
+
 def domain_cache(domain:str, # a key of `DOMAINS`
                  data:Path, # the prepared folder of that domain
                  caches:Path, # folder of the caches
@@ -67,16 +72,23 @@ def domain_cache(domain:str, # a key of `DOMAINS`
                  device=None, # where the model runs; None: CUDA if available
                  amp:bool=False, # extract under float16 autocast (faster on a GPU); False: float32, as the authors run it
                  progress:bool=True): # show progress bars
-    "The domain's embedding cache: reused when its file exists and covers the folder, else extracted (resumably, local features too)."
+    "The domain's embedding cache: reused when its file exists, covers the folder and was made with the same weights, else extracted (resumably, local features too)."
     model = model or DOMAINS[domain].model
     path = _cache_file(domain, caches, model)
+    weights = spec_weights(model) if checkpoint is None else checkpoint  # the file extraction hashes into the cache's metadata
+    if weights is not None and not Path(weights).exists(): raise FileNotFoundError(f"{domain}: no checkpoint file or folder at {weights}")
     folder = read_prepared(data)
     if path.exists():
         cache = EmbeddingCache.load(path)
         skipped = {s["file"] for s in cache.metadata.get("skipped_files", [])}
         covered = set(cache.source or ()) | skipped | {f for f, s in zip(folder.files, folder.shift) if s == "fit"}
-        if cache.metadata.get("model") == ALIASES.get(model, model) and covered == set(folder.files): return path, cache
-        raise ValueError(f"{path} exists but was not extracted by {model} from {data}; move it away to extract afresh")
+        if cache.metadata.get("model") != ALIASES.get(model, model) or covered != set(folder.files):
+            raise ValueError(f"{path} exists but was not extracted by {model} from {data}; move it away to extract afresh")
+        made, asked = cache.metadata.get("checkpoint_sha256"), None if weights is None else file_sha256(weights)
+        if made != asked:
+            raise ValueError(f"{domain}: the cache {path} was made with {_weights(cache.metadata.get('checkpoint'), made)}, but this run asks for "
+                             f"{_weights(None if weights is None else Path(weights).name, asked)}: delete it or point --caches elsewhere to re-extract")
+        return path, cache
     options = {"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}
     vlm = load_vlm(model, checkpoint, device=model_device(device), tokenizer=tokenizer, **options)
     with warnings.catch_warnings():
@@ -315,15 +327,18 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
     if not present: raise ValueError(f"no prepared folder in {data}: expected one or more of {', '.join(DOMAINS)} (the data scripts write them)")
     caches = Path(caches) if caches else out / "caches"
     spec = lambda d: (_spec(models, d, "models") or DOMAINS[d].model, _spec(checkpoints, d, "checkpoints"), _spec(tokenizers, d, "tokenizers"))
-    for d in present:  # a model that cannot load is named before any domain spends an hour extracting
+    reused = {}
+    for d in present:  # a model that cannot load, or a cache of other weights, is named before any domain spends an hour extracting
         model, checkpoint, tokenizer = spec(d)
-        if _cache_file(d, caches, model).exists(): continue
+        if _cache_file(d, caches, model).exists():
+            reused[d] = domain_cache(d, data / d, caches, model, checkpoint, tokenizer, device, amp, progress)
+            continue
         try: check_vlm(model, checkpoint, model_device(device), tokenizer)
         except (ValueError, OSError) as e: raise type(e)(f"{d}: {e}") from None
     for sub in ("tables", "figures"): (out / sub).mkdir(parents=True, exist_ok=True)
     loaded, records = {}, {}
     for d in present:
-        path, loaded[d] = domain_cache(d, data / d, caches, *spec(d), device, amp, progress)
+        path, loaded[d] = reused.get(d) or domain_cache(d, data / d, caches, *spec(d), device, amp, progress)
         records[d] = _cache_record(path, loaded[d], data / d)
     tables, raw, notes = paper_results(loaded, n_permutations, progress)
     notes |= {f"domain {d}": f"not run: no prepared folder {data / d}" for d in DOMAINS if d not in present}

@@ -450,7 +450,7 @@ def _parser():
     p.add_argument("--checkpoint", default=None, help="local weights file (or folder) of the model")
     p.add_argument("--tokenizer", default=None, help="folder with the text encoder's vocab.txt (FLAIR, UniMed-CLIP)")
     p.add_argument("--classes", default=None, help="comma-separated class names, in label order")
-    p.add_argument("--prompts", default=None, help="prompt file: one prompt per class a line, or JSON {class: [prompts]}")
+    p.add_argument("--prompts", default=None, help="prompt file: one prompt per class a line, or a .json file {class: [prompts]}")
     p.add_argument("--order", default=None, choices=ORDERS, help="stream order: by name (a folder's default), modification time, or the list's (a list's default)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
     p.add_argument("--gamma", type=float, default=ProtonConfig.gamma, help="γ, confidence to enter the bank")

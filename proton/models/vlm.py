@@ -6,7 +6,7 @@
 __all__ = ['MAX_LOGIT_SCALE', 'QUILTNET', 'temperature_from_logit_scale', 'to_8_bits', 'as_rgb_image', 'is_dicom',
            'dicom_to_8_bits', 'read_image', 'VLM', 'pixels_to_float', 'class_prompts', 'prompt_ensemble',
            'load_weights', 'load_state_strict', 'OpenClipVLM', 'vit_patch_features', 'load_open_clip', 'load_quiltnet',
-           'load_open_clip_spec']
+           'load_open_clip_spec', 'spec_weights']
 
 # %% ../../nbs/40_vlm.ipynb
 import logging
@@ -348,6 +348,11 @@ def _build_from_hub(build, # () -> what the loader builds, fetching weights from
         raise FileNotFoundError(f"the weights of {name} are not in the Hugging Face cache and the hub is unreachable: {how}") from None
     finally: constants.HF_HUB_OFFLINE = offline; logging.disable(logged)
 
+def _names_local_weights(pretrained): # the <pretrained> part of an open_clip name, or None
+    "Whether `pretrained` is a local weights file or folder rather than a tag of open_clip's."
+    return pretrained is not None and (Path(pretrained).exists() or os.sep in str(pretrained)
+                                       or str(pretrained).endswith((".pt", ".pth", ".bin", ".safetensors")))
+
 def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-hub:org/repo"
                    pretrained:str|os.PathLike|None=None, # a tag, a local weights file or snapshot folder; None: random weights
                    device="cpu", # where the model runs
@@ -357,8 +362,7 @@ def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-h
     try: import open_clip
     except ImportError: raise ImportError('open_clip backends need the vlm extra: pip install "proton-ood[vlm]"') from None
     name = name or f"open_clip:{arch}/{pretrained or 'none'}"
-    local = pretrained is not None and (Path(pretrained).exists() or os.sep in str(pretrained)
-                                        or str(pretrained).endswith((".pt", ".pth", ".bin", ".safetensors")))
+    local = _names_local_weights(pretrained)
     if local and Path(pretrained).is_dir():
         if not (Path(pretrained) / "open_clip_config.json").is_file():
             raise FileNotFoundError(f"{pretrained} is a folder without open_clip_config.json; pass the weights file instead")
@@ -402,3 +406,9 @@ def load_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>", <pretrained
     if checkpoint is not None and pretrained is not None:
         raise ValueError(f"{name!r} already names weights ({pretrained}); do not also pass checkpoint={str(checkpoint)!r}")
     return load_open_clip(arch, pretrained if checkpoint is None else checkpoint, device, name=name, **kwargs)
+
+def spec_weights(name:str): # a model name, as for `load_vlm`
+    "The local weights file or folder that an 'open_clip:<arch>/<file>' name holds; None for a tag, random weights or another model."
+    spec = name[len("open_clip:"):] if name.startswith("open_clip:") else ""
+    pretrained = "" if spec.startswith("hf-hub:") else spec.partition("/")[2]
+    return pretrained if pretrained not in ("", "none") and _names_local_weights(pretrained) else None

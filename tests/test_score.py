@@ -668,3 +668,29 @@ def test_a_chunk_size_that_is_not_a_whole_number_is_refused_before_any_file(tmp_
 
 def test_an_empty_results_name_is_named(tmp_path):
     with pytest.raises(ValueError, match="the results file must end in .csv or .parquet"): Results("")
+
+
+def test_a_folder_reached_through_a_link_is_the_same_stream(tmp_path, random_vlm):
+    "A cron job scores /data/incoming, a colleague the same folder through a link: no image may be scored twice."
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    os.symlink(folder, tmp_path / "today")
+    assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
+    assert run_images(tmp_path / "today", tmp_path / "r.csv", random_vlm) == (0, 3)
+
+
+def test_a_link_moved_to_the_next_days_folder_scores_its_images(tmp_path, random_vlm):
+    "`current` points at today's folder; tomorrow's holds images of the same names, which are new images all the same."
+    photo_folder(tmp_path / "day1", n=3, broken=()); photo_folder(tmp_path / "day2", n=3, broken=())
+    os.symlink(tmp_path / "day1", tmp_path / "current")
+    assert run_images(tmp_path / "current", tmp_path / "r.csv", random_vlm) == (3, 3)
+    os.remove(tmp_path / "current"); os.symlink(tmp_path / "day2", tmp_path / "current")
+    assert run_images(tmp_path / "current", tmp_path / "r.csv", random_vlm) == (3, 6)
+
+
+def test_a_link_to_an_image_of_the_folder_is_that_image(tmp_path):
+    from proton.models.score import list_images
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    os.symlink(folder / "0.png", folder / "zz.png")
+    assert list_images(folder) == [str(folder / f"{i}.png") for i in range(3)]
+    (tmp_path / "list.txt").write_text("in/1.png\nin/zz.png\nin/0.png\n")
+    with pytest.raises(ValueError, match="names in/0.png twice"): list_images(tmp_path / "list.txt")

@@ -42,17 +42,21 @@ def _ordered(paths:list, order:str):
     return list(paths)
 
 def read_file_list(path:str|os.PathLike): # a text file: one image path a line, relative to the list's folder; blank lines and '#' comments ignored
-    "The absolute image paths a file list names, in its order."
+    "The real paths (absolute, links resolved) of the images a file list names, in its order."
     path = Path(path)
     try: lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte order mark, as Windows editors write, is not part of a path
     except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the file list {path}: {e}") from None
-    paths = [os.path.abspath(path.parent / line.strip()) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    entries = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    paths = [os.path.abspath(path.parent / e) for e in entries]
     folder = next((p for p in paths if os.path.isdir(p)), None)
     if folder: raise ValueError(f"the file list {path} names a folder, not an image file: {folder}")
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing: raise ValueError(f"the file list {path} names {len(missing)} {'file that does' if len(missing) == 1 else 'files that do'} not exist, e.g. {missing[0]}")
-    if len(set(paths)) < len(paths): raise ValueError(f"the file list {path} names a file twice")
-    return paths
+    seen = {}  # real path -> the entry that named it
+    for e, real in zip(entries, map(os.path.realpath, paths)):
+        if real in seen: raise ValueError(f"the file list {path} names {e} twice" + ("" if seen[real] == e else f" (as {seen[real]} too, a link to it)"))
+        seen[real] = e
+    return list(seen)
 
 def _is_text(path:str):
     "Whether a file name found on disk is UTF-8 text (POSIX names are bytes; Python keeps the others as lone surrogates)."
@@ -62,20 +66,21 @@ def _is_text(path:str):
 
 def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden files and folders left out) or a file list
                 order:str|None=None): # "name", "mtime" or "list"; None: "list" for a file list, "name" for a folder
-    "The absolute paths of the images to score, in stream order."
+    "The real paths (absolute, links resolved: an image's identity) of the images to score, in stream order."
     source = Path(source)
     if order is not None and order not in ORDERS: raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if source.is_dir():
         if order == "list": raise ValueError(f"order 'list' needs a file list; {source} is a folder (use name or mtime)")
-        paths = [os.path.abspath(p) for p in source.rglob("*")  # hidden: macOS's ._ files, .ipynb_checkpoints
+        found = [os.path.abspath(p) for p in source.rglob("*")  # hidden: macOS's ._ files, .ipynb_checkpoints
                  if not any(part.startswith(".") for part in p.relative_to(source).parts) and p.is_file() and is_image_file(p)]
+        paths = list(dict.fromkeys(map(os.path.realpath, _ordered(found, order or "name"))))  # in the order found; a link to an image is that image
         odd = [p for p in paths if not _is_text(p)]
         if odd:
             warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {source} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
                           f"and cannot be written to the results; rename {'them' if len(odd) > 1 else 'it'} (first: {odd[0]!r})", UnreadableImagesWarning, stacklevel=3)
             paths = [p for p in paths if _is_text(p)]
         if not paths: raise ValueError(f"no images in {source} (looked for {', '.join(IMAGE_SUFFIXES)} and DICOM files, in every subfolder)")
-        return _ordered(paths, order or "name")
+        return paths
     if not source.exists(): raise ValueError(f"no image folder or file list at {source}")
     paths = read_file_list(source)
     if not paths: raise ValueError(f"the file list {source} names no images")

@@ -136,6 +136,8 @@ def test_triage_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown classifier"): triage(cache, "forest")
     with pytest.raises(ValueError, match="features must be"): triage(cache, features=())
     with pytest.raises(ValueError, match="at least two OOD shifts"): triage(cache.subset(np.isin(cache.shift, ["id", "semantic"])))
+    few = np.flatnonzero(cache.shift == "semantic")[3:]  # three semantic images left, fewer than the five folds need
+    with pytest.raises(ValueError, match=r"5 scored images of every OOD shift.*semantic has 3"): triage(cache.subset(~np.isin(np.arange(len(cache)), few)))
 
 
 # experiment 9: figure 1

@@ -50,8 +50,9 @@ def triage(cache:EmbeddingCache, # the embedding cache: ID images and at least t
     df = pd.DataFrame(dict(row=order[keep], t=np.flatnonzero(keep), shift=kind[keep],
                            base=parts.base.double().numpy()[keep], proto=parts.proto.double().numpy()[keep]))
     counts = df["shift"].value_counts()
-    if len(counts) < 2 or counts.min() < n_splits:
-        raise ValueError(f"triage needs at least two OOD shifts with {n_splits} scored images each, got {counts.to_dict()}")
+    if len(counts) < 2: raise ValueError(f"triage needs at least two OOD shifts with scored images, got {counts.to_dict()}")
+    if counts.min() < n_splits:
+        raise ValueError(f"triage needs {n_splits} scored images of every OOD shift (one a fold of its cross-validation); {counts.idxmin()} has {counts.min()} of {counts.to_dict()}")
     cv = StratifiedKFold(n_splits, shuffle=True, random_state=seed)
     df["predicted"] = cross_val_predict(TRIAGE_CLASSIFIERS[classifier](seed), df[list(features)].to_numpy(), df["shift"].to_numpy(), cv=cv)
     return df

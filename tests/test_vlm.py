@@ -217,3 +217,19 @@ def test_a_cuda_device_beyond_the_machines_is_named_before_anything_loads(monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"'cuda:3' was asked for, but this machine has 1 CUDA device \(cuda:0\)"): model_device("cuda:3")
     assert model_device("cuda:0") == torch.device("cuda:0") and model_device("cuda") == torch.device("cuda")
+
+
+@pytest.mark.parametrize("name", ["open_clip:NoArch/none", "open_clip:vit-b-32/none"])
+def test_an_unknown_open_clip_architecture_is_named_in_one_short_line_before_anything_loads(name):
+    "open_clip's own error lists every architecture it knows: several kilobytes on one line."
+    from proton.models import check_vlm
+    with pytest.raises(ValueError, match=f"unknown open_clip architecture {name[10:-5]!r}") as e: check_vlm(name)
+    assert len(str(e.value)) < 300 and "ViT-B-32" in str(e.value)
+    with pytest.raises(ValueError, match="unknown open_clip architecture"): load_vlm(name)
+
+
+def test_random_weights_and_a_checkpoint_together_are_refused(tmp_path):
+    "open_clip:<arch>/none asks for random weights; a checkpoint as well was loaded quietly, under a name that says none."
+    from proton.models import check_vlm
+    (tmp_path / "w.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"asks for random weights \('none'\)"): check_vlm("open_clip:ViT-S-32/none", tmp_path / "w.pt")

@@ -44,6 +44,9 @@ def check_vlm(name:str, # a key of `MODELS` (or an alias), or "open_clip:<arch>/
     if not open_clip and key not in MODELS: raise ValueError(f"unknown VLM {name!r}; known: {', '.join([*MODELS, *ALIASES, OPEN_CLIP])}")
     if isinstance(checkpoint, (str, os.PathLike)) and not os.path.exists(checkpoint): raise FileNotFoundError(f"no checkpoint file or folder at {checkpoint}")
     if tokenizer is not None and key not in TOKENIZERS: raise ValueError(f"a tokenizer is for {' and '.join(TOKENIZERS)}, not {name}")
+    if open_clip:
+        from proton.models.vlm import check_open_clip_spec
+        check_open_clip_spec(name, checkpoint)
     return key
 
 def load_vlm(name:str, # a key of `MODELS` (or an alias), or "open_clip:<arch>/<pretrained>"

@@ -6,7 +6,7 @@
 __all__ = ['MAX_LOGIT_SCALE', 'QUILTNET', 'temperature_from_logit_scale', 'to_8_bits', 'as_rgb_image', 'is_dicom',
            'dicom_to_8_bits', 'read_image', 'VLM', 'pixels_to_float', 'class_prompts', 'prompt_ensemble',
            'load_weights', 'load_state_strict', 'OpenClipVLM', 'vit_patch_features', 'load_open_clip', 'load_quiltnet',
-           'load_open_clip_spec', 'spec_weights']
+           'check_open_clip_spec', 'load_open_clip_spec', 'spec_weights']
 
 # %% ../../nbs/40_vlm.ipynb
 import logging
@@ -392,19 +392,35 @@ def load_quiltnet(checkpoint:str|os.PathLike|None=None, # a folder holding Quilt
                          f"got {str(checkpoint)!r}; for a bare weights file name the architecture: 'open_clip:<arch>/<file>'")
     return load_open_clip(QUILTNET, checkpoint, device, name="quiltnet", **kwargs)
 
-def load_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>", <pretrained> a tag, a file, or none/empty for random weights
-                        checkpoint:str|os.PathLike|None=None, # local weights, when <pretrained> is empty
-                        device="cpu", # where the model runs
-                        **kwargs): # passed on to `load_open_clip`
-    "An open_clip model named by architecture and weights."
+def check_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>"
+                         checkpoint:str|os.PathLike|None=None): # local weights, when <pretrained> is empty
+    "(architecture, weights or None) of an open_clip name, once both are found fit: one line naming what is not, before anything loads."
     spec = name[len("open_clip:"):]
     arch, pretrained = (spec, "") if spec.startswith("hf-hub:") else spec.partition("/")[::2]
     if not arch: raise ValueError(f"no architecture in {name!r}; expected 'open_clip:<arch>/<pretrained>'")
     if pretrained == "" and checkpoint is None and not arch.startswith("hf-hub:"):
         raise ValueError(f"{name!r} does not name the weights: give a tag, a file or a folder after the '/', or 'none' for random (seeded) weights")
+    if pretrained == "none" and checkpoint is not None:
+        raise ValueError(f"{name!r} asks for random weights ('none'), and a checkpoint was given too; to load {str(checkpoint)!r}, leave the part after the '/' empty")
     pretrained = None if pretrained in ("", "none") else pretrained
     if checkpoint is not None and pretrained is not None:
         raise ValueError(f"{name!r} already names weights ({pretrained}); do not also pass checkpoint={str(checkpoint)!r}")
+    if not arch.startswith("hf-hub:"):
+        try: import open_clip
+        except ImportError: raise ImportError('open_clip backends need the vlm extra: pip install "proton-ood[vlm]"') from None
+        known = open_clip.list_models()
+        if arch not in known:  # open_clip's own error lists every architecture it knows, on one line of kilobytes
+            near = [k for k in known if k.lower() == arch.lower()]
+            hint = f"did you mean {near[0]!r}?" if near else "e.g. 'ViT-B-32', 'ViT-B-16', 'RN50'"
+            raise ValueError(f"unknown open_clip architecture {arch!r} ({hint}); open_clip.list_models() names the {len(known)} it knows")
+    return arch, pretrained
+
+def load_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>", <pretrained> a tag, a file, or none/empty for random weights
+                        checkpoint:str|os.PathLike|None=None, # local weights, when <pretrained> is empty
+                        device="cpu", # where the model runs
+                        **kwargs): # passed on to `load_open_clip`
+    "An open_clip model named by architecture and weights."
+    arch, pretrained = check_open_clip_spec(name, checkpoint)
     return load_open_clip(arch, pretrained if checkpoint is None else checkpoint, device, name=name, **kwargs)
 
 def spec_weights(name:str): # a model name, as for `load_vlm`

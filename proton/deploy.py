@@ -18,7 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .detector import Proton
+from .detector import Proton, class_indices
+from .metrics import float_array
 from .scores import as_unit_rows, plain_number, top_softmax, zero_shot_logits
 
 # %% ../nbs/50_deploy.ipynb
@@ -79,15 +80,15 @@ def load_detector(path, # a file written by `save_detector`
 def threshold_for_id_recall(scores_id, # scores of images known to be ID, higher = more OOD
                             id_recall:float=0.95): # fraction of ID images that should pass unflagged
     "The threshold θ that lets `id_recall` of the given ID scores pass (flag when score > θ)."
-    s = np.asarray(scores_id.detach().cpu() if hasattr(scores_id, "detach") else scores_id, dtype=np.float64)
+    s, q = float_array(scores_id, "scores_id"), plain_number(id_recall)
     if s.ndim != 1 or len(s) == 0 or not np.isfinite(s).all(): raise ValueError(f"scores_id must be a non-empty 1-D array of finite scores, got shape {s.shape}")
-    if not 0 < id_recall < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall}")
-    return float(np.quantile(s, id_recall, method="higher"))
+    if q is None or not 0 < q < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall!r}")
+    return float(np.quantile(s, q, method="higher"))
 
 # %% ../nbs/50_deploy.ipynb
 def _floats(x, name:str):
     "`x` (numpy, torch or a list) as a 1-D float64 numpy array."
-    a = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
+    a = float_array(x, name)
     if a.ndim != 1: raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     return a
 
@@ -122,6 +123,8 @@ class WarmupThreshold:
                calibrated): # (N,) whether the bank was calibrated for each
         "(N,) θ in force for each image: NaN until θ is set and for images scored before calibration."
         s, cal = _floats(scores, "scores"), np.asarray(calibrated.cpu() if hasattr(calibrated, "cpu") else calibrated, dtype=bool)
+        if cal.shape != s.shape: raise ValueError(f"calibrated must hold one flag per score ({len(s)}), got shape {cal.shape}")
+        if not np.isfinite(s).all(): raise ValueError(f"scores must be finite; {int((~np.isfinite(s)).sum())} of {len(s)} are NaN or infinite")
         theta = np.full(len(s), np.nan)
         start = 0
         if self.theta is None:
@@ -143,7 +146,19 @@ class WarmupThreshold:
         if set(sd) != set(self.state_dict()): raise ValueError(f"threshold state has the keys {sorted(sd)}, expected {sorted(self.state_dict())}")
         if (sd["warmup"], sd["id_recall"]) != (self.warmup, self.id_recall):
             raise ValueError(f"threshold state was saved with warmup={sd['warmup']}, id_recall={sd['id_recall']} (here {self.warmup}, {self.id_recall})")
-        self.seen, self.theta, self.mean, self.std, self.source = list(sd["seen"]), sd["theta"], sd["mean"], sd["std"], sd["source"]
+        finite = lambda v: plain_number(v) is not None and math.isfinite(v)
+        if sd["theta"] is None:
+            if (sd["mean"], sd["std"], sd["source"]) != (None, None, None): raise ValueError("threshold state has no theta but a mean, spread or source")
+        else:
+            for k in ("theta", "mean"):
+                if not finite(sd[k]): raise ValueError(f"threshold state: {k} must be a finite number, got {sd[k]!r}")
+            if not finite(sd["std"]) or sd["std"] <= 0: raise ValueError(f"threshold state: std must be a positive, finite number, got {sd['std']!r}")
+            if sd["source"] not in ("warm-up", "reference"): raise ValueError(f"threshold state: source must be 'warm-up' or 'reference', got {sd['source']!r}")
+        seen = sd["seen"]
+        if not isinstance(seen, list) or not all(finite(v) for v in seen): raise ValueError("threshold state: seen must be a list of finite scores")
+        if len(seen) >= self.warmup or (seen and sd["theta"] is not None):
+            raise ValueError(f"threshold state holds {len(seen)} warm-up scores of {self.warmup}{' after θ was set' if sd['theta'] is not None else ''}")
+        self.seen, self.theta, self.mean, self.std, self.source = list(seen), sd["theta"], sd["mean"], sd["std"], sd["source"]
         return self
 
 # %% ../nbs/50_deploy.ipynb
@@ -175,7 +190,10 @@ class CusumDrift:
         "Restore a state saved by `state_dict`."
         if set(sd) != set(self.state_dict()) or (sd["k"], sd["h"]) != (self.k, self.h):
             raise ValueError(f"drift state {sd} does not fit CusumDrift(k={self.k}, h={self.h})")
-        self.statistic, self.alarms = float(sd["statistic"]), int(sd["alarms"])
+        c, a = plain_number(sd["statistic"]), plain_number(sd["alarms"], whole=True)
+        if c is None or not 0 <= c < math.inf: raise ValueError(f"drift state: statistic must be a non-negative, finite number, got {sd['statistic']!r}")
+        if a is None or a < 0: raise ValueError(f"drift state: alarms must be a non-negative integer, got {sd['alarms']!r}")
+        self.statistic, self.alarms = c, a
         return self
 
 # %% ../nbs/50_deploy.ipynb
@@ -226,7 +244,12 @@ class Monitor:
                         device=None): # device to compute on
         "A monitor rebuilt from a saved state."
         if not isinstance(sd, dict) or sd.get("format") != MONITOR_FORMAT: raise ValueError(f"not a monitor state (format {MONITOR_FORMAT!r})")
+        missing = [k for k in ("detector", "threshold", "drift") if k not in sd]
+        if missing: raise ValueError(f"monitor state has no {missing[0]!r}")
         t, d = sd["threshold"], sd["drift"]
+        for what, part, fresh in (("threshold", t, WarmupThreshold()), ("drift", d, CusumDrift())):
+            if not isinstance(part, dict): raise ValueError(f"{what} state must be a dict, got {type(part).__name__}")
+            if set(part) != set(fresh.state_dict()): raise ValueError(f"{what} state has the keys {sorted(part)}, expected {sorted(fresh.state_dict())}")
         return cls(Proton.from_state_dict(sd["detector"], base_score=base_score, device=device),
                    WarmupThreshold(t["warmup"], t["id_recall"]).load_state_dict(t), CusumDrift(d["k"], d["h"]).load_state_dict(d))
 
@@ -242,9 +265,10 @@ def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, f
                n_classes:int, # C
                bank_size:int): # M, capacity of each queue
     "(class, slot, stream index) of every bank entry, slot 0 the oldest: the last M images enqueued into each class."
-    predicted, enqueued = np.asarray(predicted, dtype=np.int64), np.asarray(enqueued, dtype=bool)
-    if predicted.shape != enqueued.shape or predicted.ndim != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {predicted.shape} and {enqueued.shape}")
-    if len(predicted) and not (0 <= predicted.min() and predicted.max() < n_classes): raise ValueError(f"predicted classes must lie in [0, {n_classes})")
+    shape, enqueued = np.shape(predicted), np.asarray(enqueued, dtype=bool)
+    if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
+    if plain_number(bank_size, whole=True) is None or bank_size < 1: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
+    predicted, bank_size = class_indices(predicted, n_classes, "predicted classes").cpu().numpy(), int(bank_size)
     out = []
     for c in range(n_classes):
         held = np.flatnonzero(enqueued & (predicted == c))[-bank_size:]

@@ -156,3 +156,98 @@ def test_corrupt_state_is_refused(key, value, message):
 def test_state_from_another_configuration_is_refused():
     sd = Proton(T, CFG).state_dict()
     with pytest.raises(ValueError, match=r"bank_size=10 \(here 100\)"): Proton(T, ProtonConfig(temperature=0.2, k_min=2)).load_state_dict(sd)
+
+
+# the deployment helpers, the metrics and the routed scores: bad input named, state kept
+
+def test_a_warm_up_refuses_scores_that_are_not_finite_and_keeps_its_state():
+    from proton.deploy import WarmupThreshold
+    thr = WarmupThreshold(warmup=3)
+    thr.update([0.1], [True])
+    with pytest.raises(ValueError, match="scores must be finite"): thr.update([0.2, np.nan], [True, True])
+    assert thr.seen == [0.1] and thr.theta is None
+    thr.update([0.2, 0.3], [True, True])
+    assert thr.theta == 0.3
+
+
+@pytest.mark.parametrize("calibrated", [[True, True], [[True, True, True]]])
+def test_a_warm_up_refuses_calibration_flags_that_do_not_match_the_scores(calibrated):
+    from proton.deploy import WarmupThreshold
+    thr = WarmupThreshold(warmup=3)
+    with pytest.raises(ValueError, match=r"calibrated must hold one flag per score \(3\)"): thr.update([0.1, 0.2, 0.3], calibrated)
+    assert thr.seen == [] and thr.theta is None
+
+
+@pytest.mark.parametrize("predicted, bank_size, message", [([0, 0, 1], 0, "bank_size must be a positive integer, got 0"),
+                                                          ([0, 0, 1], -1, "bank_size must be a positive integer, got -1"),
+                                                          ([0.9, 1.9, 0.], 5, "predicted classes must be integers"),
+                                                          ([True, False, True], 5, "predicted classes must be integers")])
+def test_a_bank_audit_refuses_what_no_bank_could_hold(predicted, bank_size, message):
+    from proton.deploy import bank_audit
+    with pytest.raises(ValueError, match=re.escape(message)): bank_audit(predicted, [True] * 3, 2, bank_size)
+
+
+def test_bfloat16_scores_are_scores():
+    from proton import ood_metrics
+    from proton.deploy import CusumDrift, WarmupThreshold, threshold_for_id_recall
+    s = torch.linspace(0, 1, 50)
+    assert ood_metrics(s.bfloat16(), (s + .5).bfloat16()) == ood_metrics(s.bfloat16().float(), (s + .5).bfloat16().float())
+    assert threshold_for_id_recall(s.bfloat16()) == threshold_for_id_recall(s.bfloat16().float())
+    assert CusumDrift().update(s.bfloat16())[0].shape == (50,)
+    assert WarmupThreshold(warmup=2).set_reference(s.bfloat16()).theta is not None
+
+
+@pytest.mark.parametrize("args, message", [(([0., 1.], [2.]), None), ((np.array([]), np.array([1.])), "scores_id must be a non-empty 1-D array"),
+                                           ((np.array([np.nan, 1.]), np.array([.5])), "scores_id contains NaN or Inf"),
+                                           ((np.array([0., 1.]), np.array([.5]), 1.5), r"recall must be in \(0, 1\], got 1.5"),
+                                           ((np.array([0., 1.]), np.array([.5]), float("nan")), r"recall must be in \(0, 1\], got nan"),
+                                           ((np.array([0., 1.]), np.array([.5]), "0.9"), r"recall must be in \(0, 1\], got '0.9'")])
+def test_fpr_at_recall_checks_its_input_as_ood_metrics_does(args, message):
+    from proton.metrics import fpr_at_recall
+    if message is None: assert fpr_at_recall(*args) == 0.0  # lists are scores too
+    else:
+        with pytest.raises(ValueError, match=message): fpr_at_recall(*args)
+
+
+@pytest.mark.parametrize("routed", [[0.7, 1.2, 0.2], [True, False, True]])
+def test_routed_scores_refuse_classes_that_are_not_integers(routed):
+    from proton.bench.baselines import routed_score
+    with pytest.raises(ValueError, match="routed classes must be integers"): routed_score("mcm", E[:3], T, 0.2, routed)
+
+
+def test_a_float32_state_restores_a_float64_detector():
+    "A state saved by a float32 detector holds rows of unit length to float32's precision, not to float64's."
+    det = Proton(torch.as_tensor(T, dtype=torch.float32), CFG); det.score(E[:100])
+    wide = Proton(torch.as_tensor(T, dtype=torch.float64), CFG).load_state_dict(det.state_dict())
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide.score(E[100:]).float(), det.score(E[100:]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("text, message", [(lambda t: t * 2, "text embeddings rows .* unit length"),
+                                           (lambda t: "abc", "state text embeddings must be a tensor"),
+                                           (lambda t: None, "state text embeddings must be a tensor")])
+def test_a_state_whose_text_embeddings_are_not_unit_rows_is_refused(text, message):
+    det = Proton(T, CFG); det.score(E[:60])
+    sd = det.state_dict(); sd["text_embeddings"] = text(sd["text_embeddings"])
+    with pytest.raises(ValueError, match=message): Proton.from_state_dict(sd)
+
+
+def monitor_state():
+    from proton.deploy import Monitor, WarmupThreshold
+    m = Monitor(Proton(T, CFG), WarmupThreshold(warmup=20))
+    m.score(E[:150])
+    return m.state_dict()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda sd: {k: v for k, v in sd.items() if k != "drift"}, "monitor state has no 'drift'"),
+    (lambda sd: sd | {"threshold": None}, "threshold state must be a dict"),
+    (lambda sd: sd | {"threshold": {k: v for k, v in sd["threshold"].items() if k != "warmup"}}, "threshold state has the keys"),
+    (lambda sd: sd | {"threshold": sd["threshold"] | {"theta": float("nan")}}, "threshold state: theta must be a finite number"),
+    (lambda sd: sd | {"threshold": sd["threshold"] | {"std": -1.}}, "threshold state: std must be a positive"),
+    (lambda sd: sd | {"threshold": sd["threshold"] | {"seen": [0.] * 25, "theta": None, "mean": None, "std": None, "source": None}}, "holds 25 warm-up scores of 20"),
+    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": -2.}}, "drift state: statistic must be a non-negative"),
+])
+def test_a_corrupt_monitor_state_is_refused(change, message):
+    from proton.deploy import Monitor
+    with pytest.raises(ValueError, match=message): Monitor.from_state_dict(change(monitor_state()))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..detector import class_indices
 from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, zero_shot_logits
 
 # %% ../../nbs/22_baselines.ipynb
@@ -50,9 +51,7 @@ def routed_score(name:str, # a name in `ROUTED_SCORES`
     if name not in ROUTED_SCORES: raise ValueError(f"{name} has no routed form: choose one of {ROUTED_SCORES}")
     E, T = _units(image_embeddings, text_embeddings)
     logits = zero_shot_logits(E, T, check_temperature(temperature))
-    r = torch.as_tensor(np.asarray(routed), dtype=torch.long, device=E.device)
-    if r.shape != (len(E),) or (len(r) and (r.min() < 0 or r.max() >= len(T))):
-        raise ValueError(f"routed must hold one class in [0, {len(T)}) per image, got shape {tuple(r.shape)}")
+    r = class_indices(routed, len(T), "routed classes", len(E)).to(E.device)
     if name == "mcm": return -logits.softmax(1).gather(1, r[:, None]).squeeze(1)
     if name == "max_logit": return -logits.gather(1, r[:, None]).squeeze(1)
     return static_score(name, E, T, temperature)

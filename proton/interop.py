@@ -6,6 +6,7 @@
 __all__ = ['pytorch_ood_detector', 'OpenOODPostprocessor']
 
 # %% ../nbs/51_interop.ipynb
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,4 +57,5 @@ class OpenOODPostprocessor:
             data = batch["data"] if device is None else batch["data"].to(device)  # as OpenOOD's evaluator moves it to the GPU
             pred, conf = self.postprocess(net, data)
             preds.append(pred.cpu()); confs.append(conf.cpu()); labels.append(torch.as_tensor(batch["label"]).cpu())
+        if not preds: return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)  # an empty loader
         return tuple(torch.cat(x).numpy() for x in (preds, confs, labels))

@@ -251,3 +251,21 @@ def monitor_state():
 def test_a_corrupt_monitor_state_is_refused(change, message):
     from proton.deploy import Monitor
     with pytest.raises(ValueError, match=message): Monitor.from_state_dict(change(monitor_state()))
+
+
+@pytest.mark.parametrize("kw, message", [(dict(rho="0.5"), "rho (the ID fraction) must be in (0, 1), got '0.5'"),
+                                         (dict(seed=1.5), "seed must be a non-negative integer, got 1.5"),
+                                         (dict(sample_seed=-1), "sample_seed must be a non-negative integer, got -1"),
+                                         (dict(order="id_first", warmup=float("nan")), "warmup must be an integer in [0, "),
+                                         (dict(order="id_first", warmup="5"), "warmup must be an integer in [0, ")])
+def test_a_stream_with_a_setting_that_is_no_number_is_named(kw, message):
+    from proton.bench import EmbeddingCache, SyntheticWorld
+    from proton.bench.streams import make_stream
+    cache = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=40, n_per_shift=20)
+    with pytest.raises(ValueError, match=re.escape(message)): make_stream(cache, "far", **kw)
+
+
+def test_an_empty_loader_gives_empty_arrays():
+    from proton.interop import OpenOODPostprocessor
+    pred, conf, label = OpenOODPostprocessor(Proton(T, CFG)).inference(lambda x: x, [], progress=False)
+    assert pred.shape == conf.shape == label.shape == (0,)

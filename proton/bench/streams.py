@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..scores import plain_number
 from .cache import EmbeddingCache, check_cache
 from .synth import SHIFTS
 
@@ -34,7 +35,9 @@ def _members(cache:EmbeddingCache, shift:str):
 def _at_fraction(id_rows:np.ndarray, ood_rows:np.ndarray, rho:float|None, sample_seed:int):
     "Subsample the side in excess so that ID images make up a fraction `rho` of the stream (None keeps all)."
     if rho is None: return id_rows, ood_rows
-    if not 0 < rho < 1: raise ValueError(f"rho (the ID fraction) must be in (0, 1), got {rho}")
+    r = plain_number(rho)
+    if r is None or not 0 < r < 1: raise ValueError(f"rho (the ID fraction) must be in (0, 1), got {rho!r}")
+    rho = r
     n_id, n_ood = len(id_rows), len(ood_rows)
     if n_id * (1 - rho) > rho * n_ood: n_id = round(rho * n_ood / (1 - rho))
     else: n_ood = round((1 - rho) * n_id / rho)
@@ -65,10 +68,13 @@ def make_stream(cache:EmbeddingCache, # the embedding cache the stream draws fro
                 sample_seed:int=0): # seed of the subsampling to `rho`
     "A stream of the ID images and the `shift` images of `cache`: indices in stream order and OOD indicator."
     if order not in ORDERS: raise ValueError(f"unknown order {order!r}: choose one of {ORDERS}")
-    id_rows, ood_rows = _at_fraction(*_members(cache, shift), rho, sample_seed)
-    if order == "id_first" and not (int(warmup) == warmup and 0 <= warmup <= len(id_rows)):
-        raise ValueError(f"warmup must be an integer in [0, {len(id_rows)}] (the ID images of the stream), got {warmup}")
-    indices = _arrange(id_rows, ood_rows, order, int(warmup), np.random.default_rng(seed)).astype(np.int64)
+    for name, v in (("seed", seed), ("sample_seed", sample_seed)):
+        if plain_number(v, whole=True) is None or v < 0: raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    id_rows, ood_rows = _at_fraction(*_members(cache, shift), rho, int(sample_seed))
+    w = plain_number(warmup, whole=True)
+    if order == "id_first" and (w is None or not 0 <= w <= len(id_rows)):
+        raise ValueError(f"warmup must be an integer in [0, {len(id_rows)}] (the ID images of the stream), got {warmup!r}")
+    indices = _arrange(id_rows, ood_rows, order, w or 0, np.random.default_rng(int(seed))).astype(np.int64)
     return Stream(indices, cache.shift[indices] != "id")
 
 # %% ../../nbs/21_streams.ipynb

@@ -19,7 +19,12 @@ class PrototypeBank:
                  dtype:torch.dtype=torch.float32, # dtype of the stored embeddings
                  device=None): # device of the stored embeddings
         self.size = size
-        self.entries = torch.zeros(n_classes, size, dim, dtype=dtype, device=device)  # (C, M, d), oldest first
+        try: self.entries = torch.zeros(n_classes, size, dim, dtype=dtype, device=device)  # (C, M, d), oldest first
+        except (RuntimeError, MemoryError) as e:  # the allocator's message names neither the bank nor the setting
+            if "alloc" not in str(e) and "out of memory" not in str(e): raise
+            need = n_classes * size * dim * torch.empty(0, dtype=dtype).element_size() / 2**30
+            raise ValueError(f"a bank of {n_classes} queues of {size} entries of dimension {dim} needs {need:,.1f} GiB, more than can be allocated; "
+                             "choose a smaller bank_size") from None
         self.counts = torch.zeros(n_classes, dtype=torch.long, device=device)  # (C,) filled rows per class
         self.prototypes = torch.zeros(n_classes, dim, dtype=dtype, device=device)  # (C, d), zero while empty
 

@@ -269,3 +269,9 @@ def test_an_empty_loader_gives_empty_arrays():
     from proton.interop import OpenOODPostprocessor
     pred, conf, label = OpenOODPostprocessor(Proton(T, CFG)).inference(lambda x: x, [], progress=False)
     assert pred.shape == conf.shape == label.shape == (0,)
+
+
+def test_a_bank_too_large_for_memory_is_named_with_its_size():
+    "--bank-size 100000000000 failed with the allocator's message, which names neither the bank nor the setting."
+    with pytest.raises(ValueError, match=r"a bank of 3 queues of 100000000000 entries of dimension 16 needs [\d,.]+ GiB.*choose a smaller bank_size"):
+        Proton(T, ProtonConfig(bank_size=10**11, k_min=2, temperature=0.2))

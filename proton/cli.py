@@ -7,6 +7,7 @@ __all__ = ['COMMANDS', 'info_main', 'main']
 
 # %% ../nbs/46_cli.ipynb
 import argparse
+import os
 import sys
 import warnings
 
@@ -58,6 +59,9 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     except KeyboardInterrupt:
         print(f"proton-ood {command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of the output left, as `| head` does: what was done is done, and there is nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's own flush at exit finds somewhere to write
+        return 141  # 128 + SIGPIPE, as a shell reports a command its pipe closed on
     except Exception as e:
         if debug: raise
         print(f"proton-ood {command}: error: {_one_line(e)}", file=sys.stderr)

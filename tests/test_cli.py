@@ -1,4 +1,5 @@
 """The `proton-ood` console command, run as a user runs it: a separate process."""
+import os
 import shutil
 import subprocess
 import sys
@@ -110,3 +111,15 @@ def test_evaluate_follows_the_paper_protocol_and_records_it(tmp_path):
     protocol = json.loads((tmp_path / "results_protocol.json").read_text())
     assert protocol["rho"] == 0.7 and protocol["fpr95_convention"] == "ju2025" and protocol["n_permutations"] == 1
     assert set(df.fpr95_convention) == {"ju2025"} and "FPR95 (ju2025)" in r.stdout
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    "`proton-ood score ... | head -1`: the rows are committed; that `head` left early is no error to report."
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before the command writes a line
+    r = subprocess.run([exe, "info", str(path)], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=600)
+    os.close(writer)
+    assert r.returncode == 141 and r.stderr == "", r.stderr

@@ -568,3 +568,62 @@ def test_an_out_that_is_a_folder_is_refused_before_any_image_is_encoded(clip, da
     with pytest.raises(ValueError, match=r"caches is a folder: name the cache file to write, e\.g\. .*caches/\w+\.npz"):
         extract(clip, data, out=tmp_path / "caches", num_workers=0, progress=False)
     assert counted == [] and sorted(p.name for p in tmp_path.iterdir()) == ["caches"]
+
+
+def test_a_model_with_other_weights_under_the_same_name_does_not_reuse_the_shards(data, tmp_path, monkeypatch):
+    "load_vlm('open_clip:<arch>/', checkpoint=...) names no weights; the shards of one checkpoint were reused by another, silently."
+    from proton.models.vlm import load_open_clip
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    for seed in (0, 1): torch.save(load_open_clip("ViT-S-32", None, seed=seed).model.state_dict(), tmp_path / f"w{seed}.pt")
+    a, b = (load_vlm("open_clip:ViT-S-32/", tmp_path / f"w{seed}.pt") for seed in (0, 1))
+    assert a.name == b.name
+    extract(a, data, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+    with pytest.warns(UserWarning, match="belongs to another run"): resumed = extract(b, data, out=tmp_path / "c.npz", **RUN)
+    assert same_cache(resumed, extract(b, data, **RUN))
+
+
+def test_torchrun_without_an_out_file_gives_every_rank_the_cache(data, tmp_path):
+    "out=None: each rank made a scratch folder of its own and could not read the shards the others wrote."
+    script = tmp_path / "run.py"
+    script.write_text(f"""import torch.distributed as dist, sys
+from proton.models import load_vlm
+from proton.models.extract import extract
+dist.init_process_group("gloo")
+cache = extract(load_vlm({MODEL!r}), {str(data)!r}, batch_size=2, shard_size=2, num_workers=0, progress=False)
+print(dist.get_rank(), cache.content_hash())
+""")
+    env = dict(os.environ, SOURCE_DATE_EPOCH=EPOCH, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    two = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-2000:]
+    hashes = dict(line.split() for line in two.stdout.splitlines() if line[:1] in "01")
+    assert set(hashes) == {"0", "1"} and len(set(hashes.values())) == 1
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--batch-size", "0"], {}, "batch_size must be an integer of at least 1, got 0"),
+    (["--shard-size", "0"], {}, "shard_size must be an integer of at least 1, got 0"),
+    (["--workers", "-1"], {}, "num_workers must be an integer of at least 0, got -1"),
+    (["--worker-share", "2"], {}, "worker_share must be a number from 0 to 1"),
+    (["--prompt-sets", "nope.json"], {}, "no prompt file at nope.json"),
+    ([], {"SOURCE_DATE_EPOCH": "abc"}, "SOURCE_DATE_EPOCH must be an integer number of seconds, got 'abc'"),
+    (["--out", ""], {}, "name the cache file to write"),
+])
+def test_bad_options_are_named_before_the_model_loads(data, tmp_path, monkeypatch, capsys, args, env, message):
+    "Each was named only once the model had loaded; a bad SOURCE_DATE_EPOCH only after every image was embedded."
+    import proton.models.extract as module
+    monkeypatch.setattr(module, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the options were checked"))
+    for k, v in env.items(): monkeypatch.setenv(k, v)
+    out = [] if "--out" in args else ["--out", str(tmp_path / "c.npz")]
+    assert module.extract_main(["--model", MODEL, "--data", str(data), "--device", "cpu", "--no-progress", *out, *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):
+    root = tmp_path / "p"
+    for rel, content in {"fit/normal/a.png": None, "fit/glaucoma/b.png": None, "id/normal/c.png": b"junk", "id/glaucoma/d.png": b"junk"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        if content is None: Image.new("RGB", (8, 8)).save(root / rel)
+        else: (root / rel).write_bytes(content)
+    with pytest.raises(ValueError, match=r"none of the 2 test images of .* could be read, e.g. id/"):
+        extract(load_vlm(MODEL), root, **RUN)

@@ -8,7 +8,7 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'PIL
            'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg', 'pil_weights', 'DevicePreprocess', 'decode_jpegs',
            'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
            'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
-           'default_workers', 'extract', 'parse_prompts', 'extract_main']
+           'weights_sha256', 'default_workers', 'check_extract', 'extract', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -39,6 +39,7 @@ import torch
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
 from . import VLM, load_vlm, model_device, prompt_ensemble
+from ..scores import plain_number
 from .vlm import as_rgb_image, pixels_to_float, read_image, spec_weights
 
 # %% ../../nbs/43_extract.ipynb
@@ -500,13 +501,23 @@ def file_sha256(path:str|os.PathLike): # a file, or a folder (its files' hashes,
     return h.hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
+def weights_sha256(vlm:VLM): # the model
+    "SHA-256 of the model's weights: every parameter and buffer of the modules the backend holds, by name."
+    h = hashlib.sha256()
+    for attr, module in sorted(vars(vlm).items()):
+        if not isinstance(module, torch.nn.Module): continue
+        for k, t in sorted(module.state_dict().items()):
+            t = t.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{attr}.{k}|{t.dtype}|{t.numel()}|".encode()); h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
 def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0):
     "SHA-256 of everything that determines the numbers in the shards."
     share = worker_fraction(worker_share)
     from proton import __version__
     root = str(folder.root)
     stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [os.stat(os.path.join(root, f))]]
-    run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, dim=vlm.dim, image_size=list(vlm.image_size),
+    run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, weights_sha256=weights_sha256(vlm), dim=vlm.dim, image_size=list(vlm.image_size),
                preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, amp=amp,
                decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local, shard_size=shard_size, library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
@@ -653,6 +664,23 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
                 library_version=__version__, torch_version=torch.__version__, created=_created())
 
 # %% ../../nbs/43_extract.ipynb
+def check_extract(data_dir:str|os.PathLike, # a prepared folder
+                  prompts=None, # as for `extract`
+                  prompt_sets=None, # as for `extract`
+                  out:str|os.PathLike|None=None, # as for `extract`
+                  batch_size:int=64, num_workers:int|None=None, shard_size:int=256, worker_share:float=0): # as for `extract`
+    "(folder, prompts, prompt sets, where the prompts came from, worker share) once every argument of `extract` but the model is found fit: one line naming the first that is not, before any model loads."
+    folder = read_prepared(data_dir)
+    prompt_source = "classes.json" if prompts is None else Path(prompts).name if isinstance(prompts, (str, os.PathLike)) else "argument"
+    prompts, sets = resolve_prompts(prompts, folder), resolve_prompt_sets(prompt_sets, folder)
+    for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
+        if v is not None and (plain_number(v, whole=True) is None or v < low): raise ValueError(f"{name} must be an integer of at least {low}, got {v!r}")
+    share = worker_fraction(worker_share)
+    if out is not None and not Path(out).name: raise ValueError(f"name the cache file to write, e.g. {folder.name}.npz; got {str(out)!r}")
+    if out is not None and Path(out).is_dir(): raise ValueError(f"{out} is a folder: name the cache file to write, e.g. {Path(out) / folder.name}.npz")
+    _created()  # a bad SOURCE_DATE_EPOCH is named now, not once every image is embedded
+    return folder, prompts, sets, prompt_source, share
+
 def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             data_dir:str|os.PathLike, # a prepared folder: <shift>/<class>/<file>, classes.json, split.csv
             prompts=None, # None (classes.json), a list with one prompt per class, a dict class -> prompt(s), or a prompt file
@@ -673,13 +701,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             progress:bool=True): # show a progress bar
     "Embed every image and class prompt of a prepared folder into an `EmbeddingCache`, resumably."
     from tqdm.auto import tqdm
-    folder = read_prepared(data_dir)
-    prompt_source = "classes.json" if prompts is None else Path(prompts).name if isinstance(prompts, (str, os.PathLike)) else "argument"
-    prompts, sets = resolve_prompts(prompts, folder), resolve_prompt_sets(prompt_sets, folder)
-    for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
-        if v is not None and (int(v) != v or v < low): raise ValueError(f"{name} must be an integer of at least {low}, got {v}")
-    share = worker_fraction(worker_share)
-    if out is not None and Path(out).is_dir(): raise ValueError(f"{out} is a folder: name the cache file to write, e.g. {Path(out) / folder.name}.npz")
+    folder, prompts, sets, prompt_source, share = check_extract(data_dir, prompts, prompt_sets, out, batch_size, num_workers, shard_size, worker_share)
     if isinstance(vlm, str): vlm = load_vlm(vlm, checkpoint, device=model_device(device))
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
@@ -692,10 +714,10 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
-    scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None else None
-    shards = Path(scratch.name) if scratch else Path(f"{out}.shards")
+    rank, world, barrier, broadcast = _distributed()
+    scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None and rank == 0 else None  # one, shared by every rank
+    shards = Path(f"{out}.shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
     try:
-        rank, world, barrier, broadcast = _distributed()
         if rank == 0:
             if not resume: shutil.rmtree(shards, ignore_errors=True)
             shards.mkdir(parents=True, exist_ok=True)
@@ -717,6 +739,9 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
     fit = np.array(folder.shift) == "fit"
     keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
+    if not keep.any():
+        bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
+        raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {bad['file']}: {bad['error']}")
     metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
     metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
                      worker_share=None if on_device is None else float(share))
@@ -729,10 +754,12 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
                            **(dict(fit_embeddings=E[keep_fit], fit_labels=folder.labels[keep_fit]) if keep_fit.any() else {}))
     if skipped: warnings.warn(f"{len(skipped)} of {len(folder)} images could not be read and were left out of the cache; "
                               f"its metadata lists them under skipped_files (first: {skipped[0]['file']}: {skipped[0]['error']})", stacklevel=2)
-    if out is not None and rank == 0:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        cache.save(out)
-        if not keep_shards: shutil.rmtree(shards)
+    if out is not None:
+        if rank == 0:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            cache.save(out)
+            if not keep_shards: shutil.rmtree(shards)
+        barrier()  # the file is there for every rank when `extract` returns
     return cache
 
 # %% ../../nbs/43_extract.ipynb
@@ -783,8 +810,8 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     try:
-        prompts = parse_prompts(args.prompts)
-        resolve_prompts(prompts, read_prepared(args.data))  # a wrong folder or prompt fails before the model loads
+        prompts = parse_prompts(args.prompts)  # a wrong folder, prompt or option fails before the model loads
+        check_extract(args.data, prompts, False if args.no_prompt_sets else args.prompt_sets, args.out, args.batch_size, args.workers, args.shard_size, args.worker_share)
         device = _join_torchrun(str(model_device(args.device)))
         vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer)
         with warnings.catch_warnings():

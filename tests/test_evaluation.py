@@ -230,3 +230,34 @@ def test_the_protocol_file_describes_the_results_beside_it_after_a_failed_run(ca
         assert run(path, "--rho", "0.6", "--experiments", "main_table,ablation") == 1
     written = json.loads(protocol.read_text())
     assert written["rho"] == 0.6 and written["experiments"] == ["main_table"] and out.read_bytes() != results
+
+
+@pytest.mark.parametrize("experiments, derived", [("ablation", "r_ablation.csv"), ("figure1", "r_figure1_tsne.csv"),
+                                                  ("main_table", "r_protocol.json")])
+def test_command_refuses_a_derived_path_that_is_one_of_its_caches(cache, tmp_path, capsys, experiments, derived):
+    "Only --out was checked: `evaluate r_ablation.csv --out r.csv --experiments ablation` wrote the table over the cache it read."
+    path = cache.save(tmp_path / "c.npz").rename(tmp_path / derived)
+    before = path.read_bytes()
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", experiments, "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "would overwrite the cache" in err and derived in err and err.count("\n") == 1, err
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [derived]
+
+
+def test_command_checks_every_output_path_before_computing(cache, tmp_path, capsys):
+    "A derived file that cannot be written (here a folder) was found after main_table had been computed and written."
+    path = cache.save(tmp_path / "c.npz")
+    (tmp_path / "r_ablation.csv").mkdir()
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", "main_table,ablation", "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "r_ablation.csv" in err and "is a folder" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.csv").exists()
+
+
+def test_command_refuses_an_out_that_ends_in_a_slash(cache, tmp_path, capsys):
+    "`--out res/` was taken as the stem of a file and wrote `res`, without suffix."
+    path = cache.save(tmp_path / "c.npz")
+    assert evaluate_main([str(path), "--out", str(tmp_path / "res") + "/", "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "folder" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]

@@ -415,14 +415,32 @@ def _check_writable(out:Path): # a file to be written
         with tempfile.NamedTemporaryFile(dir=out.parent): pass
     except OSError as e: raise OSError(f"cannot write {out}: {e.strerror or e}") from None
 
+def _paths(name:str, out:Path):
+    "{table: file} that experiment `name` writes next to `out`; the table is None for an experiment of one table."
+    if EXPERIMENTS[name].returns == "tables":
+        tables = inspect.signature(experiment(name)).return_annotation._fields  # the named tuple the experiment returns
+        return {t: out.with_name(f"{out.stem}_{name}_{t}.csv") for t in tables}
+    return {None: out if name == "main_table" else out.with_name(f"{out.stem}_{name}.csv")}
+
+def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
+    "Raise unless every file the run will write can be written and none of them is a cache it reads."
+    if out.endswith(("/", os.sep)): raise ValueError(f"--out {out} names a folder; give the file of the main table, such as {out}results.csv")
+    stem = Path(out)
+    files = [p for n in names if simulated_run or EXPERIMENTS[n].takes != "world" for p in _paths(n, stem).values()]
+    for path in files + [stem.with_name(f"{stem.stem}_protocol.json")]:
+        read = [c for c in caches if Path(c).resolve() == path.resolve()]
+        if read and path == stem: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
+        if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
+        _check_writable(path)
+
 def _write(name:str, result, out:Path, simulated:bool, permutations:int):
     "Write one experiment's result next to `out` and print its summary."
     label = f"\n{name}{' (simulated)' if simulated else ''}: "
     if EXPERIMENTS[name].returns == "tables":
-        for table, df in result._asdict().items():
-            path = out.with_name(f"{out.stem}_{name}_{table}.csv"); df.to_csv(path, index=False); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
+        for table, path in _paths(name, out).items():
+            df = getattr(result, table); df.to_csv(path, index=False); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
         return
-    path = out if name == "main_table" else out.with_name(f"{out.stem}_{name}.csv")
+    path = _paths(name, out)[None]
     result.to_csv(path, index=False)
     if EXPERIMENTS[name].returns == "rows": print(f"{label}first rows\n{result.head(10).to_string()}")
     else: print(f"{label}mean ± std over {permutations} stream order{'s' if permutations > 1 else ''}, %\n{summary_table(summarize(result)).to_string()}")
@@ -446,10 +464,8 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     try:
         if args.seed < 0: raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
         args.protocol = replace(PAPER_PROTOCOL, rho=_rho(args.rho), n_permutations=args.permutations, seed=args.seed, fpr95_convention=args.fpr95)
-        read = [c for c in args.caches if Path(c).resolve() == Path(args.out).resolve()]
-        if read: raise ValueError(f"--out {args.out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
-        _check_writable(Path(args.out))  # before the computation, not after it
         names = _experiment_names(args.experiments)
+        _check_outputs(args.out, names, args.caches, args.simulated_run)  # every file, before the computation, not after it
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
                   else [(f"simulated:{args.simulated or 'default'}", simulated_cache(args.simulated or "default"))])
     except (ValueError, OSError) as e:

@@ -261,3 +261,17 @@ def test_command_refuses_an_out_that_ends_in_a_slash(cache, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "folder" in err and err.count("\n") == 1, err
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
+
+
+def test_a_simulated_cache_mixed_with_a_real_one_keeps_its_label(cache, tmp_path, capsys):
+    "With one simulated and one real cache the '(simulated)' label vanished (it required every cache to be simulated)."
+    import json
+    sim = cache.save(tmp_path / "sim.npz")
+    real = replace(cache, metadata={"model": "real"}).save(tmp_path / "real.npz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert evaluate_main([str(sim), str(real), "--out", str(tmp_path / "r.csv"), "--experiments", "ablation", "--permutations", "1", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"ablation (simulated: {sim})" in printed, printed
+    caches = json.loads((tmp_path / "r_protocol.json").read_text())["caches"]
+    assert caches[str(sim)]["simulated"] is True and caches[str(real)]["simulated"] is False

@@ -433,9 +433,9 @@ def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
         if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
         _check_writable(path)
 
-def _write(name:str, result, out:Path, simulated:bool, permutations:int):
-    "Write one experiment's result next to `out` and print its summary."
-    label = f"\n{name}{' (simulated)' if simulated else ''}: "
+def _write(name:str, result, out:Path, simulated:str, permutations:int):
+    "Write one experiment's result next to `out` and print its summary, headed by `simulated` (' (simulated)', or which caches are, or '')."
+    label = f"\n{name}{simulated}: "
     if EXPERIMENTS[name].returns == "tables":
         for table, path in _paths(name, out).items():
             df = getattr(result, table); df.to_csv(path, index=False); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
@@ -472,10 +472,12 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)
         return 1
     out = Path(args.out)
-    simulated = all(c.metadata.get("simulated") for _, c in caches)
+    simulated = [label for label, c in caches if c.metadata.get("simulated")]  # labelled per cache: a real one beside does not hide it
+    simulated = "" if not simulated else " (simulated)" if len(simulated) == len(caches) else f" (simulated: {', '.join(simulated)})"
     protocol_file = out.with_name(f"{out.stem}_protocol.json")
     fitted_on = lambda c: f"fit split, {len(c.fit_labels)} images" if c.fit_labels is not None and args.protocol.fit_split else f"{args.protocol.held_out_fraction:.0%} of the ID images held out"
-    used = {label: dict(privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names)) for label, c in caches}
+    used = {label: dict(simulated=bool(c.metadata.get("simulated")), privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names))
+            for label, c in caches}
     written = []
     for name in names:
         try: result = _run_experiment(name, caches, args)

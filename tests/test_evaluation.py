@@ -275,3 +275,21 @@ def test_a_simulated_cache_mixed_with_a_real_one_keeps_its_label(cache, tmp_path
     assert f"ablation (simulated: {sim})" in printed, printed
     caches = json.loads((tmp_path / "r_protocol.json").read_text())["caches"]
     assert caches[str(sim)]["simulated"] is True and caches[str(real)]["simulated"] is False
+
+
+def test_an_option_an_experiment_does_not_take_is_named_and_recorded(cache, tmp_path):
+    "figure1 ignored --rho and --fpr95 silently while the protocol file recorded them as if applied."
+    import json
+    path = cache.save(tmp_path / "c.npz")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", "main_table,figure1", "--rho", "0.5",
+                              "--fpr95", "mcm", "--permutations", "1", "--no-progress"]) == 0
+    notes = [str(w.message) for w in caught if "does not use" in str(w.message)]
+    assert len(notes) == 1 and "figure1" in notes[0] and "--rho" in notes[0] and "--fpr95" in notes[0] and "\n" not in notes[0], notes
+    ignored = json.loads((tmp_path / "r_protocol.json").read_text())["ignored"]
+    assert ignored["main_table"] == [] and {"--rho", "--fpr95", "--permutations"} <= set(ignored["figure1"]), ignored
+    with warnings.catch_warnings(record=True) as caught:  # options left at their defaults are not warned about
+        warnings.simplefilter("always")
+        assert evaluate_main([str(path), "--out", str(tmp_path / "d.csv"), "--experiments", "figure1", "--no-progress"]) == 0
+    assert not [w for w in caught if "does not use" in str(w.message)]

@@ -127,7 +127,8 @@ def test_command_writes_one_csv_per_experiment(cache, tmp_path, capsys):
 
 
 def test_command_with_two_caches_adds_a_cache_column(cache, tmp_path):
-    paths = [str(cache.save(tmp_path / f"{name}.npz")) for name in ("a", "b")]
+    other = EmbeddingCache.from_world(SyntheticWorld(seed=1), n_id=100, n_per_shift=50)  # a cache given twice is refused
+    paths = [str(c.save(tmp_path / f"{name}.npz")) for name, c in (("a", cache), ("b", other))]
     out = tmp_path / "results.csv"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedWarning)
@@ -293,3 +294,14 @@ def test_an_option_an_experiment_does_not_take_is_named_and_recorded(cache, tmp_
         warnings.simplefilter("always")
         assert evaluate_main([str(path), "--out", str(tmp_path / "d.csv"), "--experiments", "figure1", "--no-progress"]) == 0
     assert not [w for w in caught if "does not use" in str(w.message)]
+
+
+def test_command_refuses_a_cache_given_twice(cache, tmp_path, capsys):
+    "The same cache twice gave duplicate rows and a fake spread (cross_domain kept one): refused, by path or by content."
+    path = cache.save(tmp_path / "c.npz")
+    copy = tmp_path / "copy.npz"; copy.write_bytes(path.read_bytes())
+    for second in (str(path), str(tmp_path / "sub" / ".." / "c.npz"), str(copy)):
+        assert evaluate_main([str(path), second, "--out", str(tmp_path / "r.csv"), "--permutations", "1", "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert "twice" in err and second in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.csv").exists()

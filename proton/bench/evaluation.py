@@ -464,6 +464,13 @@ def _write(name:str, result, out:Path, simulated:str, permutations:int):
     else: print(f"{label}mean ± std over {permutations} stream order{'s' if permutations > 1 else ''}, %\n{summary_table(summarize(result)).to_string()}")
     print(f"wrote {path}")
 
+def _check_distinct(keyed:list, what:str): # (cache path, its resolved path or content hash) pairs; what the key is
+    "Raise if two caches share a key: a cache given twice would count its rows twice and fake a spread."
+    first = {}
+    for path, key in keyed:
+        if key in first: raise ValueError(f"the cache {path} is given twice (same {what} as {first[key]}); give each cache once")
+        first[key] = path
+
 def _rho(text:str): # the --rho argument
     "The ID fraction `text` names: a number in (0, 1), or None for 'all'."
     if text == "all": return None
@@ -485,8 +492,10 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
         args.protocol = replace(PAPER_PROTOCOL, rho=_rho(args.rho), n_permutations=args.permutations, seed=args.seed, fpr95_convention=args.fpr95)
         names = _experiment_names(args.experiments)
         _check_outputs(args.out, names, args.caches, args.simulated_run)  # every file, before the computation, not after it
+        _check_distinct([(path, Path(path).resolve()) for path in args.caches], "file")
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
                   else [(f"simulated:{args.simulated or 'default'}", simulated_cache(args.simulated or "default"))])
+        _check_distinct([(path, c.content_hash()) for path, c in caches], "content")
     except (ValueError, OSError) as e:
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)
         return 1

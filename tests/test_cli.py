@@ -108,7 +108,7 @@ def test_evaluate_follows_the_paper_protocol_and_records_it(tmp_path):
     df = pd.read_csv(out)
     share = df.n_id / (df.n_id + df.n_ood)
     assert ((share - 0.7).abs() < 0.02).all(), share  # ρ = 0.7, the paper's ID fraction
-    protocol = json.loads((tmp_path / "results_protocol.json").read_text())
+    protocol = json.loads((tmp_path / "results_protocol.json").read_text())["main_table"]
     assert protocol["rho"] == 0.7 and protocol["fpr95_convention"] == "ju2025" and protocol["n_permutations"] == 1
     assert set(df.fpr95_convention) == {"ju2025"} and "FPR95 (ju2025)" in r.stdout
 

@@ -220,7 +220,7 @@ def test_the_protocol_file_describes_the_results_beside_it_after_a_failed_run(ca
         warnings.simplefilter("ignore", SkippedWarning)
         assert run(path, "--rho", "0.7") == 0
         results, written = out.read_bytes(), protocol.read_bytes()
-        assert json.loads(written)["rho"] == 0.7
+        assert json.loads(written)["main_table"]["rho"] == 0.7
         assert run(id_only, "--rho", "0.5") == 1  # no OOD images: fails in the computation
         assert out.read_bytes() == results and protocol.read_bytes() == written
         real = evaluation._run_experiment
@@ -230,7 +230,7 @@ def test_the_protocol_file_describes_the_results_beside_it_after_a_failed_run(ca
         monkeypatch.setattr(evaluation, "_run_experiment", failing)
         assert run(path, "--rho", "0.6", "--experiments", "main_table,ablation") == 1
     written = json.loads(protocol.read_text())
-    assert written["rho"] == 0.6 and written["experiments"] == ["main_table"] and out.read_bytes() != results
+    assert written["main_table"]["rho"] == 0.6 and list(written) == ["main_table"] and out.read_bytes() != results
 
 
 @pytest.mark.parametrize("experiments, derived", [("ablation", "r_ablation.csv"), ("figure1", "r_figure1_tsne.csv"),
@@ -274,7 +274,7 @@ def test_a_simulated_cache_mixed_with_a_real_one_keeps_its_label(cache, tmp_path
         assert evaluate_main([str(sim), str(real), "--out", str(tmp_path / "r.csv"), "--experiments", "ablation", "--permutations", "1", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert f"ablation (simulated: {sim})" in printed, printed
-    caches = json.loads((tmp_path / "r_protocol.json").read_text())["caches"]
+    caches = json.loads((tmp_path / "r_protocol.json").read_text())["ablation"]["caches"]
     assert caches[str(sim)]["simulated"] is True and caches[str(real)]["simulated"] is False
 
 
@@ -288,8 +288,8 @@ def test_an_option_an_experiment_does_not_take_is_named_and_recorded(cache, tmp_
                               "--fpr95", "mcm", "--permutations", "1", "--no-progress"]) == 0
     notes = [str(w.message) for w in caught if "does not use" in str(w.message)]
     assert len(notes) == 1 and "figure1" in notes[0] and "--rho" in notes[0] and "--fpr95" in notes[0] and "\n" not in notes[0], notes
-    ignored = json.loads((tmp_path / "r_protocol.json").read_text())["ignored"]
-    assert ignored["main_table"] == [] and {"--rho", "--fpr95", "--permutations"} <= set(ignored["figure1"]), ignored
+    protocol = json.loads((tmp_path / "r_protocol.json").read_text())
+    assert protocol["main_table"]["ignored"] == [] and {"--rho", "--fpr95", "--permutations"} <= set(protocol["figure1"]["ignored"]), protocol
     with warnings.catch_warnings(record=True) as caught:  # options left at their defaults are not warned about
         warnings.simplefilter("always")
         assert evaluate_main([str(path), "--out", str(tmp_path / "d.csv"), "--experiments", "figure1", "--no-progress"]) == 0
@@ -305,3 +305,17 @@ def test_command_refuses_a_cache_given_twice(cache, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "twice" in err and second in err and err.count("\n") == 1, err
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_a_second_run_into_the_same_out_keeps_the_protocol_of_the_first(cache, tmp_path):
+    "A second run replaced <stem>_protocol.json, so the CSV files of the first lost their description; entries are per experiment."
+    import json
+    path = cache.save(tmp_path / "c.npz")
+    run = lambda *options: evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--permutations", "1", "--no-progress", *options])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert run("--experiments", "main_table,ablation") == 0
+        assert run("--experiments", "ablation", "--seed", "7") == 0
+    protocol = json.loads((tmp_path / "r_protocol.json").read_text())
+    assert list(protocol) == ["main_table", "ablation"], protocol
+    assert protocol["main_table"]["seed"] == 0 and protocol["ablation"]["seed"] == 7

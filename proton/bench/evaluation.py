@@ -471,6 +471,12 @@ def _check_distinct(keyed:list, what:str): # (cache path, its resolved path or c
         if key in first: raise ValueError(f"the cache {path} is given twice (same {what} as {first[key]}); give each cache once")
         first[key] = path
 
+def _described(protocol_file:Path): # the protocol file beside the results
+    "{experiment: how it was run} from an earlier run into the same --out, so that its files keep their description; {} if none."
+    try: earlier = json.loads(protocol_file.read_text())
+    except (OSError, ValueError): return {}
+    return {k: v for k, v in earlier.items() if k in EXPERIMENTS and isinstance(v, dict)} if isinstance(earlier, dict) else {}
+
 def _rho(text:str): # the --rho argument
     "The ID fraction `text` names: a number in (0, 1), or None for 'all'."
     if text == "all": return None
@@ -506,7 +512,7 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     fitted_on = lambda c: f"fit split, {len(c.fit_labels)} images" if c.fit_labels is not None and args.protocol.fit_split else f"{args.protocol.held_out_fraction:.0%} of the ID images held out"
     used = {label: dict(simulated=bool(c.metadata.get("simulated")), privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names))
             for label, c in caches}
-    written = []
+    described = _described(protocol_file)
     ignored = {name: _ignored(name) for name in names}
     for name in names:
         unused = [f for f in ignored[name] if f in args.given]
@@ -518,7 +524,8 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
             warnings.warn(f"skipped {name}: {e}", SkippedWarning); continue
         if result is None: print(f"\n{name}: skipped: it sweeps synthetic worlds, so it runs only without cache files"); continue
         _write(name, result, out, simulated, args.permutations)
-        written.append(name)  # the protocol file follows the results it describes, never precedes them: a failed run leaves the old pair
-        text = json.dumps(asdict(args.protocol) | dict(experiments=written, ignored={n: ignored[n] for n in written}, caches=used), indent=2) + "\n"
+        # the protocol file follows the results it describes, never precedes them: a failed run leaves the old pair
+        described[name] = asdict(args.protocol) | dict(ignored=ignored[name], caches=used)
+        text = json.dumps(described, indent=2) + "\n"
         replace_atomically(protocol_file, lambda f: f.write(text.encode()))
     return 0

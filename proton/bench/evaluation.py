@@ -522,7 +522,7 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
         except ValueError as e:  # `all` runs what the caches allow; an experiment named on its own fails loudly
             if args.experiments.strip() != "all": raise
             warnings.warn(f"skipped {name}: {e}", SkippedWarning); continue
-        if result is None: print(f"\n{name}: skipped: it sweeps synthetic worlds, so it runs only without cache files"); continue
+        if result is None: warnings.warn(f"skipped {name}: it sweeps synthetic worlds, so it runs only without cache files", SkippedWarning); continue
         _write(name, result, out, simulated, args.permutations)
         # the protocol file follows the results it describes, never precedes them: a failed run leaves the old pair
         described[name] = asdict(args.protocol) | dict(ignored=ignored[name], caches=used)

@@ -330,3 +330,13 @@ def test_regime_skipped_on_cache_files_is_a_warning(cache, tmp_path, capsys):
     assert "regime" not in capsys.readouterr().out
     skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedWarning) and "regime" in str(w.message)]
     assert len(skipped) == 1 and skipped[0].startswith("skipped regime: it sweeps synthetic worlds"), skipped
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_command_refuses_a_seed_outside_the_range_up_front(cache, tmp_path, capsys, seed):
+    "--seed 2**32 passed the check and failed in scikit-learn after earlier experiments had run."
+    path = cache.save(tmp_path / "c.npz")
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", "main_table,triage", "--seed", seed, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"--seed must be an integer in [0, 2**32 - 1], got {seed}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r.csv").exists()

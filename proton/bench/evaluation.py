@@ -494,7 +494,7 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     if args.permutations < 1: p.error(f"--permutations must be at least 1, got {args.permutations}")
     args.simulated_run = not args.caches
     try:
-        if args.seed < 0: raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+        if not 0 <= args.seed < 2**32: raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {args.seed}")  # numpy's and scikit-learn's range
         args.protocol = replace(PAPER_PROTOCOL, rho=_rho(args.rho), n_permutations=args.permutations, seed=args.seed, fpr95_convention=args.fpr95)
         names = _experiment_names(args.experiments)
         _check_outputs(args.out, names, args.caches, args.simulated_run)  # every file, before the computation, not after it

@@ -340,3 +340,13 @@ def test_command_refuses_a_seed_outside_the_range_up_front(cache, tmp_path, caps
     err = capsys.readouterr().err
     assert f"--seed must be an integer in [0, 2**32 - 1], got {seed}" in err and err.count("\n") == 1, err
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_figure1_without_the_mapped_shift_says_its_map_holds_id_images_only(cache):
+    "On a cache without covariate images the t-SNE panel silently held only ID images."
+    from proton.bench.experiments.figure1 import figure1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = figure1(cache.subset(cache.shift != "covariate"), n_tsne=80)
+    notes = [str(w.message) for w in caught if "t-SNE" in str(w.message)]
+    assert set(fig.tsne.kind) == {"id"} and len(notes) == 1 and "'covariate'" in notes[0] and "\n" not in notes[0], notes

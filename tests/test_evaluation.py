@@ -350,3 +350,10 @@ def test_figure1_without_the_mapped_shift_says_its_map_holds_id_images_only(cach
         fig = figure1(cache.subset(cache.shift != "covariate"), n_tsne=80)
     notes = [str(w.message) for w in caught if "t-SNE" in str(w.message)]
     assert set(fig.tsne.kind) == {"id"} and len(notes) == 1 and "'covariate'" in notes[0] and "\n" not in notes[0], notes
+
+
+def test_evaluate_takes_a_numpy_integer_seed(cache):
+    "seed=np.int64(3) reached torch.Generator.manual_seed, which refused it with a TypeError."
+    df, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, seed=np.int64(3))
+    ref, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, seed=3)
+    pd.testing.assert_frame_equal(df, ref)

@@ -108,7 +108,7 @@ def test_evaluate_follows_the_paper_protocol_and_records_it(tmp_path):
     df = pd.read_csv(out)
     share = df.n_id / (df.n_id + df.n_ood)
     assert ((share - 0.7).abs() < 0.02).all(), share  # ρ = 0.7, the paper's ID fraction
-    protocol = json.loads((tmp_path / "results_protocol.json").read_text())
+    protocol = json.loads((tmp_path / "results_protocol.json").read_text())["main_table"]
     assert protocol["rho"] == 0.7 and protocol["fpr95_convention"] == "ju2025" and protocol["n_permutations"] == 1
     assert set(df.fpr95_convention) == {"ju2025"} and "FPR95 (ju2025)" in r.stdout
 
@@ -123,3 +123,16 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
     r = subprocess.run([exe, "info", str(path)], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=600)
     os.close(writer)
     assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
+def test_all_skips_an_experiment_the_cache_cannot_run_and_runs_the_rest(tmp_path):
+    "`--experiments all` on a cache with one OOD shift stopped at triage (it needs two); named explicitly, triage still fails."
+    cache = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=60, n_per_shift=20)
+    path = cache.subset((cache.shift == "id") | (cache.shift == "covariate")).save(tmp_path / "one_shift.npz")
+    r = run("evaluate", str(path), "--out", str(tmp_path / "r.csv"), "--experiments", "all", "--permutations", "1", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    skipped = [l for l in r.stderr.splitlines() if l.startswith("proton-ood evaluate: warning: skipped triage: ")]
+    assert len(skipped) == 1 and "two OOD shifts" in skipped[0], r.stderr
+    assert (tmp_path / "r_dynamics.csv").exists() and not (tmp_path / "r_triage.csv").exists()
+    r = run("evaluate", str(path), "--out", str(tmp_path / "t.csv"), "--experiments", "triage", "--permutations", "1", "--no-progress")
+    assert one_line_error(r) and "two OOD shifts" in r.stderr, r.stderr

@@ -6,6 +6,7 @@
 __all__ = ['overlap_coefficient', 'Figure1', 'figure1']
 
 # %% ../../../nbs/00_intro.ipynb
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -13,7 +14,7 @@ from sklearn.manifold import TSNE
 from threadpoolctl import threadpool_limits
 
 from ..cache import EmbeddingCache, check_cache
-from ..evaluation import import_pandas
+from ..evaluation import SkippedWarning, import_pandas
 from ...detector import Proton, ProtonConfig
 from ..streams import make_stream
 from ..synth import SHIFTS
@@ -58,6 +59,7 @@ def _stream_scores(cache:EmbeddingCache, shift:str, config:ProtonConfig, seed:in
 def _tsne_map(cache:EmbeddingCache, shift:str, n:int, perplexity:float, seed:int):
     "t-SNE coordinates of at most `n` random ID and `shift` images."
     rows = np.flatnonzero(np.isin(cache.shift, ["id", shift]))
+    if not (cache.shift == shift).any(): warnings.warn(f"the cache has no {shift!r} images: the t-SNE map holds the ID images only", SkippedWarning)
     rows = np.sort(np.random.default_rng(seed).choice(rows, min(n, len(rows)), replace=False))
     if len(rows) <= perplexity: raise ValueError(f"t-SNE needs more than perplexity={perplexity} images, got {len(rows)}")
     with threadpool_limits(1):  # one thread: the map does not depend on the machine's core count, and no threads spin on a busy CPU
@@ -73,7 +75,8 @@ def figure1(cache:EmbeddingCache, # the embedding cache: ID images and OOD shift
             perplexity:float=30., # t-SNE perplexity
             recall:float=0.95, # share of ID images kept below the thresholds of `summary`
             seed:int=0, # seed of the stream orders, of the t-SNE sample and of t-SNE
-            config:ProtonConfig|None=None): # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+            config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+           )->Figure1: # its tables, each written to its own file by `proton-ood evaluate`
     "Experiment 9, the paper's first figure: MCM overlap, (S_MCM, S_proto) pairs and a t-SNE map, as tidy tables."
     pd = import_pandas()
     check_cache(cache)

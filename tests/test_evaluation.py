@@ -357,3 +357,21 @@ def test_evaluate_takes_a_numpy_integer_seed(cache):
     df, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, seed=np.int64(3))
     ref, _ = quiet_evaluate(cache, ["mcm", "knn_id"], n_permutations=1, seed=3)
     pd.testing.assert_frame_equal(df, ref)
+
+
+def test_summarize_names_a_reference_that_is_not_in_the_results(cache):
+    df, _ = quiet_evaluate(cache, ["mcm", "proton"], shifts="far", n_permutations=1)
+    with pytest.raises(ValueError, match="reference 'max_logit' is not among the methods of the results"): summarize(df, reference="max_logit")
+
+
+def test_summarize_refuses_results_it_would_pool_wrongly(cache):
+    "Two runs concatenated: their rows counted as seeds of one, and FPR95 values of two conventions averaged."
+    a, _ = quiet_evaluate(cache, ["mcm", "proton"], shifts="far", n_permutations=1, fpr95_convention="ju2025")
+    b, _ = quiet_evaluate(cache, ["mcm", "proton"], shifts="far", n_permutations=1, fpr95_convention="mcm")
+    with pytest.raises(ValueError, match="FPR95 conventions"): summarize(pd.concat([a, b]))
+    with pytest.raises(ValueError, match=r"several rows for one method, shift and seed"): summarize(pd.concat([a, a]))
+
+
+def test_method_labels_that_print_alike_are_refused(cache):
+    with pytest.raises(ValueError, match="method labels 1 and '1' are both '1'"):
+        evaluate(cache, {1: ("mcm", None), "1": ("proton", None)}, shifts="far", n_permutations=1)

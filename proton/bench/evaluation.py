@@ -197,8 +197,10 @@ def _variants(methods, config:ProtonConfig|None):
     if isinstance(methods, str): methods = [methods]
     pairs = dict(methods) if isinstance(methods, dict) else {m: (m, None) for m in methods}
     if not pairs: raise ValueError("methods is empty")
-    out = {}
+    out, shown = {}, {}
     for label, pair in pairs.items():
+        if str(label) in shown: raise ValueError(f"method labels {shown[str(label)]!r} and {label!r} are both {str(label)!r} in the results; give distinct labels")
+        shown[str(label)] = label
         if not isinstance(pair, tuple) or len(pair) != 2: raise ValueError(f"method {label!r} must map to a (method, config) pair, got {pair!r}")
         name, cfg = pair
         m = _method(name)
@@ -324,7 +326,11 @@ def summarize(df, # results of `evaluate` or of an experiment
     "Mean and std over seeds per method, shift and setting, with `delta_<metric>` against `reference`."
     pd = import_pandas()
     _check_results(df)
+    if reference not in set(df.method): raise ValueError(f"reference {reference!r} is not among the methods of the results: {sorted(set(df.method))}")
+    if df.fpr95_convention.nunique() > 1: raise ValueError(f"the results mix FPR95 conventions {sorted(set(df.fpr95_convention))}; summarize each apart")
     keys = [c for c in df.columns if c not in COLUMNS] + ["method", "shift"]
+    if df.duplicated(keys + ["seed"]).any():
+        raise ValueError("the results hold several rows for one method, shift and seed (two runs put together?); they would count as seeds: summarize each run apart")
     groups = df.groupby(keys, dropna=False, sort=False)
     stats = groups[list(METRICS)].agg(["mean", "std"])
     stats.columns = [f"{m}_{s}" for m, s in stats.columns]

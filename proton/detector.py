@@ -306,7 +306,8 @@ def _check_state(self:Proton, sd):
     text = _state_tensor(sd, "text_embeddings", "float", (C, d), "text embeddings").to(like)
     if not torch.allclose(text, self.text, atol=1e-6):
         raise ValueError(f"state was saved for other text embeddings: they differ from this detector's by up to {(text - self.text).abs().max():.3g}")
-    bank = _state_tensor(sd, "bank", "float", (C, M, d), "bank").to(like)
+    saved = _state_tensor(sd, "bank", "float", (C, M, d), "bank")
+    bank = saved.to(like)
     counts = _state_tensor(sd, "counts", "int", (C,), "counts").to(self.bank.counts)
     w = _state_tensor(sd, "welford", "float", (3,), "welford moments").double()
     n, mean, m2 = w.tolist()
@@ -317,7 +318,7 @@ def _check_state(self:Proton, sd):
         raise ValueError(f"state counts {counts.tolist()} must lie in [0, {M}] and add up to at most the {int(n)} images seen")
     filled = torch.arange(M, device=counts.device) < counts[:, None]
     if bank[~filled].any(): raise ValueError("state bank has entries beyond its counts: the unused rows of a queue must be zero")
-    eps = max(torch.finfo(torch.as_tensor(sd["bank"]).dtype).eps, torch.finfo(bank.dtype).eps)  # a float32 state in a float64 detector: float32's
+    eps = max(torch.finfo(saved.dtype).eps, torch.finfo(bank.dtype).eps)  # a float32 state in a float64 detector: float32's
     if ((torch.linalg.vector_norm(bank[filled], dim=-1) - 1).abs() > 100 * eps).any(): raise ValueError("state bank rows must have unit length")
     learned = None
     if "var_ref" in sd:

@@ -58,10 +58,13 @@ def fpr_at_recall(scores_id, # (N_id,) scores of ID images, higher = more OOD
                   recall:float=0.95, # the recall level
                   convention:str="mcm"): # one of `FPR95_CONVENTIONS`
     "The false positive rate at `recall`, as the peer named by `convention` computes it."
+    return _fpr(_scores_1d(scores_id, "scores_id"), _scores_1d(scores_ood, "scores_ood"), _check_recall(recall), convention)
+
+def _fpr(s_id, s_ood, recall, convention):
+    "`fpr_at_recall` of scores and a recall already checked."
     if convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {convention!r}: choose one of {FPR95_CONVENTIONS}")
-    scores_id, scores_ood, recall = _scores_1d(scores_id, "scores_id"), _scores_1d(scores_ood, "scores_ood"), _check_recall(recall)
-    if convention == "mcm": return _fpr_mcm(scores_id, scores_ood, recall)
-    fpr, tpr = _ood_positive_curve(scores_id, scores_ood)
+    if convention == "mcm": return _fpr_mcm(s_id, s_ood, recall)
+    fpr, tpr = _ood_positive_curve(s_id, s_ood)
     return float(fpr[np.argmax(tpr >= recall)] if convention == "openood" else fpr[np.argmin(np.abs(tpr - recall))])
 
 # %% ../nbs/16_metrics.ipynb
@@ -77,4 +80,4 @@ def ood_metrics(scores_id, # (N_id,) scores of ID images, higher = more OOD
     s = np.r_[s_id, s_ood]
     return dict(auroc=float(roc_auc_score(y, s)), aupr_out=float(average_precision_score(y, s)),
                 aupr_in=float(average_precision_score(1 - y, -s)),
-                fpr95=fpr_at_recall(s_id, s_ood, recall, convention), fpr95_ood=fpr_at_recall(s_id, s_ood, recall, "openood"))
+                fpr95=_fpr(s_id, s_ood, recall, convention), fpr95_ood=_fpr(s_id, s_ood, recall, "openood"))

@@ -291,9 +291,9 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     if isinstance(n_permutations, bool) or int(n_permutations) != n_permutations or n_permutations < 1:
         raise ValueError(f"n_permutations must be a positive integer, got {n_permutations}")
     if fpr95_convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {fpr95_convention!r}: choose one of {FPR95_CONVENTIONS}")
-    if isinstance(seed, bool) or plain_number(seed, whole=True) is None or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
-    seed = plain_number(seed, whole=True)  # a numpy integer too: torch's generators take Python ints only
+    s = plain_number(seed, whole=True)  # a numpy integer too: torch's generators take Python ints only
+    if s is None or not 0 <= s < 2**32: raise ValueError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
+    seed = s
     variants, shifts = _variants(methods, config), _shifts(shifts)
     check_cache(cache)
     fit = fit_split and cache.fit_labels is not None

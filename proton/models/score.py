@@ -156,11 +156,11 @@ class Results:
 
     def _committed(self, saved:dict):
         "(the committed bytes of the CSV file or the journal, b'' if it is gone; their SHA-256), refused unless it is the one the state names."
-        data = b""  # the file is gone: its stream was being discarded, or a hand removed it, and the count tells which
-        if self.appended.exists():
+        try:
             with open(self.appended, "rb") as f: data = f.read(saved["bytes"])
+        except FileNotFoundError: return b"", hashlib.sha256()  # its stream was being discarded, or a hand removed it: the count tells which
         digest = hashlib.sha256(data)
-        if self.appended.exists() and saved.get("sha256", digest.hexdigest()) != digest.hexdigest():  # a state from before the checksum: the counts tell
+        if saved.get("sha256", digest.hexdigest()) != digest.hexdigest():  # a state from before the checksum: the counts tell
             raise ValueError(f"{self.appended} was changed by hand since its last run (its committed rows are not those its state names); "
                              "restore it, or choose another --out")
         return data, digest

@@ -392,11 +392,15 @@ def load_quiltnet(checkpoint:str|os.PathLike|None=None, # a folder holding Quilt
                          f"got {str(checkpoint)!r}; for a bare weights file name the architecture: 'open_clip:<arch>/<file>'")
     return load_open_clip(QUILTNET, checkpoint, device, name="quiltnet", **kwargs)
 
+def _spec_parts(name:str): # "open_clip:<arch>/<pretrained>", or "open_clip:hf-hub:<org>/<repo>"
+    "(architecture, the text after the '/'), as written; a hub name's weights are its own, so its second part is empty."
+    spec = name[len("open_clip:"):]
+    return (spec, "") if spec.startswith("hf-hub:") else tuple(spec.partition("/")[::2])
+
 def check_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>"
                          checkpoint:str|os.PathLike|None=None): # local weights, when <pretrained> is empty
     "(architecture, weights or None) of an open_clip name, once both are found fit: one line naming what is not, before anything loads."
-    spec = name[len("open_clip:"):]
-    arch, pretrained = (spec, "") if spec.startswith("hf-hub:") else spec.partition("/")[::2]
+    arch, pretrained = _spec_parts(name)
     if not arch: raise ValueError(f"no architecture in {name!r}; expected 'open_clip:<arch>/<pretrained>'")
     if pretrained == "" and checkpoint is None and not arch.startswith("hf-hub:"):
         raise ValueError(f"{name!r} does not name the weights: give a tag, a file or a folder after the '/', or 'none' for random (seeded) weights")
@@ -425,6 +429,5 @@ def load_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>", <pretrained
 
 def spec_weights(name:str): # a model name, as for `load_vlm`
     "The local weights file or folder that an 'open_clip:<arch>/<file>' name holds; None for a tag, random weights or another model."
-    spec = name[len("open_clip:"):] if name.startswith("open_clip:") else ""
-    pretrained = "" if spec.startswith("hf-hub:") else spec.partition("/")[2]
+    pretrained = _spec_parts(name)[1] if name.startswith("open_clip:") else ""
     return pretrained if pretrained not in ("", "none") and _names_local_weights(pretrained) else None

@@ -4,10 +4,11 @@
 
 # %% auto 0
 __all__ = ['MONITOR_FORMAT', 'replace_atomically', 'save_state', 'save_detector', 'torch_load_safely', 'load_detector',
-           'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift', 'MonitorRows', 'Monitor', 'load_monitor',
-           'bank_audit']
+           'hold_lock', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift', 'MonitorRows', 'Monitor',
+           'load_monitor', 'bank_audit']
 
 # %% ../nbs/50_deploy.ipynb
+import contextlib
 import math
 import os
 import re
@@ -75,6 +76,29 @@ def load_detector(path, # a file written by `save_detector`
     "A detector restored from `path`, ready to continue its stream."
     sd = torch_load_safely(path, "a detector state")
     return Proton.from_state_dict(sd, base_score=base_score, device=device)
+
+# %% ../nbs/50_deploy.ipynb
+@contextlib.contextmanager
+def hold_lock(path, # the lock file, created when missing
+              remove:bool=False): # remove the file when the block ends
+    "Hold an exclusive lock on `path` while the block runs; `BlockingIOError` at once if another holds it (POSIX; elsewhere no lock)."
+    try: import fcntl
+    except ImportError: yield; return  # Windows
+    path = Path(path)
+    while True:
+        f = open(path, "a")
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or its process dies
+        except BlockingIOError:
+            f.close()
+            raise BlockingIOError(f"another process holds {path}") from None
+        try: current = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError: current = False
+        if current: break
+        f.close()  # its last holder removed it as we opened it: lock the file now at the path
+    try: yield path
+    finally:
+        if remove: path.unlink(missing_ok=True)
+        f.close()
 
 # %% ../nbs/50_deploy.ipynb
 def threshold_for_id_recall(scores_id, # scores of images known to be ID, higher = more OOD

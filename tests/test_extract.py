@@ -627,3 +627,24 @@ def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):
         else: (root / rel).write_bytes(content)
     with pytest.raises(ValueError, match=r"none of the 2 test images of .* could be read, e.g. id/"):
         extract(load_vlm(MODEL), root, **RUN)
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(clip, data, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    import threading
+    out, real, started, go = tmp_path / "cache.npz", ex._write_shard, threading.Event(), threading.Event()
+    def held(path, arrays, header):  # the first run stops at its first shard until the second one has tried
+        if not started.is_set(): started.set(); go.wait(60)
+        real(path, arrays, header)
+    monkeypatch.setattr(ex, "_write_shard", held)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(cache=extract(clip, data, out=out, **RUN)))
+    thread.start()
+    try:
+        assert started.wait(60)
+        with pytest.raises(OSError, match=r"^another extract is writing .*cache\.npz"): extract(clip, data, out=out, **RUN)
+    finally:
+        go.set(); thread.join(120)
+    assert same_cache(first["cache"], reference[1]) and same_cache(EmbeddingCache.load(out), reference[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.npz"]  # no lock, no shards left behind
+    assert same_cache(extract(clip, data, out=out, **RUN), reference[1])  # the lock is free again

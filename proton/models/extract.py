@@ -38,6 +38,7 @@ import torch
 
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
+from ..deploy import hold_lock
 from . import VLM, load_vlm, model_device, prompt_ensemble
 from ..scores import plain_number
 from .vlm import as_rgb_image, pixels_to_float, read_image, spec_weights
@@ -641,6 +642,20 @@ def _distributed():
         return box[0]
     return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast
 
+@contextlib.contextmanager
+def _writing(out, # the cache file the run writes, or None
+             rank:int, broadcast): # this process's rank and the process group's broadcast, from `_distributed`
+    "Hold `<out>.lock` (on rank 0) while a run writes `out` and its shards; every rank stops at once if another run holds it."
+    with contextlib.ExitStack() as held:
+        busy = None
+        if out is not None and rank == 0:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
+            except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
+        busy = broadcast(busy)
+        if busy: raise OSError(busy)
+        yield
+
 # %% ../../nbs/43_extract.ipynb
 def _created():
     "Creation time in ISO 8601 (UTC): now, or $SOURCE_DATE_EPOCH when set."
@@ -715,51 +730,51 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
     rank, world, barrier, broadcast = _distributed()
-    scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None and rank == 0 else None  # one, shared by every rank
-    shards = Path(f"{out}.shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
-    try:
-        if rank == 0:
-            if not resume: shutil.rmtree(shards, ignore_errors=True)
-            shards.mkdir(parents=True, exist_ok=True)
-        todo = broadcast(_shards_to_compute(shards, ranges, header) if rank == 0 else None)
-        mine = todo[rank::world]  # this process's share of the shards
-        with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
-                  desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
-            if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
-                                   default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
-        barrier()  # every shard is written
-        parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
-        barrier()  # every rank has read them
-    finally:
-        if scratch: scratch.cleanup()
-    if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
-    errors = np.concatenate([p["errors"] for p in parts])
-    skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
-    if skipped and strict: raise ValueError(f"cannot read image {folder.root / skipped[0]['file']}: {skipped[0]['error']}")
-    if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
-    fit = np.array(folder.shift) == "fit"
-    keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
-    if not keep.any():
-        bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
-        raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {bad['file']}: {bad['error']}")
-    metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
-    metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
-                     worker_share=None if on_device is None else float(share))
-    E = np.concatenate([p["image_embeddings"] for p in parts])
-    cache = EmbeddingCache(image_embeddings=E[keep], text_embeddings=text_embeddings,
-                           class_names=list(prompts), labels=folder.labels[keep], shift=list(np.array(folder.shift)[keep]),
-                           temperature=vlm.temperature,
-                           local_embeddings=np.concatenate([p["local_embeddings"] for p in parts])[keep] if local else None,
-                           source=list(np.array(folder.files)[keep]), metadata=metadata, **prompt_fields,
-                           **(dict(fit_embeddings=E[keep_fit], fit_labels=folder.labels[keep_fit]) if keep_fit.any() else {}))
-    if skipped: warnings.warn(f"{len(skipped)} of {len(folder)} images could not be read and were left out of the cache; "
-                              f"its metadata lists them under skipped_files (first: {skipped[0]['file']}: {skipped[0]['error']})", stacklevel=2)
-    if out is not None:
-        if rank == 0:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            cache.save(out)
-            if not keep_shards: shutil.rmtree(shards)
-        barrier()  # the file is there for every rank when `extract` returns
+    with _writing(out, rank, broadcast):  # one run at a time writes `out`
+        scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None and rank == 0 else None  # one, shared by every rank
+        shards = Path(f"{out}.shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
+        try:
+            if rank == 0:
+                if not resume: shutil.rmtree(shards, ignore_errors=True)
+                shards.mkdir(parents=True, exist_ok=True)
+            todo = broadcast(_shards_to_compute(shards, ranges, header) if rank == 0 else None)
+            mine = todo[rank::world]  # this process's share of the shards
+            with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
+                      desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
+                if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
+                                       default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
+            barrier()  # every shard is written
+            parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
+            barrier()  # every rank has read them
+        finally:
+            if scratch: scratch.cleanup()
+        if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
+        errors = np.concatenate([p["errors"] for p in parts])
+        skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
+        if skipped and strict: raise ValueError(f"cannot read image {folder.root / skipped[0]['file']}: {skipped[0]['error']}")
+        if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
+        fit = np.array(folder.shift) == "fit"
+        keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
+        if not keep.any():
+            bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
+            raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {bad['file']}: {bad['error']}")
+        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
+        metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
+                         worker_share=None if on_device is None else float(share))
+        E = np.concatenate([p["image_embeddings"] for p in parts])
+        cache = EmbeddingCache(image_embeddings=E[keep], text_embeddings=text_embeddings,
+                               class_names=list(prompts), labels=folder.labels[keep], shift=list(np.array(folder.shift)[keep]),
+                               temperature=vlm.temperature,
+                               local_embeddings=np.concatenate([p["local_embeddings"] for p in parts])[keep] if local else None,
+                               source=list(np.array(folder.files)[keep]), metadata=metadata, **prompt_fields,
+                               **(dict(fit_embeddings=E[keep_fit], fit_labels=folder.labels[keep_fit]) if keep_fit.any() else {}))
+        if skipped: warnings.warn(f"{len(skipped)} of {len(folder)} images could not be read and were left out of the cache; "
+                                  f"its metadata lists them under skipped_files (first: {skipped[0]['file']}: {skipped[0]['error']})", stacklevel=2)
+        if out is not None:
+            if rank == 0:
+                cache.save(out)
+                if not keep_shards: shutil.rmtree(shards)
+            barrier()  # the file is there for every rank when `extract` returns
     return cache
 
 # %% ../../nbs/43_extract.ipynb

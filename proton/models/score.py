@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, replace_atomically, save_state, torch_load_safely
+from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, hold_lock, replace_atomically, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
@@ -147,10 +147,8 @@ class Results:
     @contextlib.contextmanager
     def lock(self):
         "Hold `<out>.lock` while a run reads and appends: a second run on the same results stops instead of interleaving rows (POSIX)."
-        try: import fcntl
-        except ImportError: yield; return  # Windows: no lock
-        with open(self.lock_path, "a") as f:
-            try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or its process dies
+        with contextlib.ExitStack() as held:
+            try: held.enter_context(hold_lock(self.lock_path))
             except BlockingIOError: raise ValueError(f"another run is writing {self.out} (it holds {self.lock_path.name}); wait for it to end, or choose another --out") from None
             yield
 

@@ -1,5 +1,6 @@
 """`proton-ood reproduce` end to end, offline: tiny prepared folders of generated images, random-weight models, the whole report."""
 import json
+import re
 import sys
 import time
 
@@ -172,3 +173,9 @@ def test_a_cache_made_with_other_weights_or_a_missing_checkpoint_is_refused_befo
         err = capsys.readouterr().err.strip()
         assert err.startswith("proton-ood reproduce: error: ophthalmology: ") and all(m in err for m in messages) and "\n" not in err, err
         assert not out.exists(), "nothing was written"
+
+
+def test_the_report_names_the_model_behind_our_numbers(report):
+    text = (report[0] / "report" / "report.md").read_text()
+    for domain, paper in (("ophthalmology", "flair"), ("radiology", "unimed-clip")):  # ours from MODEL, the paper's from its own
+        assert re.search(rf"{domain}: {re.escape(MODEL)}, not the paper's {paper}\b", text), text[:600]

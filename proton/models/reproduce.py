@@ -292,9 +292,12 @@ def write_report(out:Path, # the report folder
                  metadata:dict): # provenance, written as metadata.json
     "The report folder: tables/<name>.csv, figures/, metadata.json and report.md, which shows them all and says what is missing."
     pd = import_pandas()
+    models = [f"{d}: {r['model']}" + ("" if r["model"] == ALIASES.get(DOMAINS[d].model, DOMAINS[d].model) else f", not the paper's {DOMAINS[d].model}")
+              for d, r in metadata["domains"].items()]
     lines = ["# PROTON: the paper's tables, reproduced", "",
              f"Computed by proton-ood {metadata['versions']['proton-ood']} on {', '.join(metadata['domains']) or 'no domain'}; "
-             f"the column '{PAPER}' holds the paper's numbers, copied from it. Protocol and provenance: metadata.json.", ""]
+             f"the column '{PAPER}' holds the paper's numbers, copied from it. Protocol and provenance: metadata.json.", "",
+             *(["Our numbers come from these models:", "", *[f"- {m}" for m in models], ""] if models else [])]
     for name, caption in CAPTIONS.items():
         lines.append(f"## {caption}")
         if name in tables:

@@ -81,8 +81,14 @@ def prepare(bench: Benchmark, # what to prepare
         chosen += [(draw, r) for r in rows]
         if sampled:
             new += rows
+    targets, source_of = {}, {}  # (view, key) -> file in the folder; file -> "view:key", to name a clash before writing
+    for _, r in chosen:
+        target = targets[r.source, r.original] = image_path(r.shift, r.label, views[r.source].output_name(r.original))
+        if target in source_of:
+            raise LayoutError(f"{source_of[target]} and {r.source}:{r.original} would both be written to {target}")
+        source_of[target] = f"{r.source}:{r.original}"
     out = claim_folder(out)
-    table, seen = [], set()
+    table = []
     for view_name in dict.fromkeys(d.view for d, _ in chosen):
         view = views[view_name]
         wanted = {r.original: r for d, r in chosen if r.source == view_name}
@@ -92,10 +98,7 @@ def prepare(bench: Benchmark, # what to prepare
             check_image(data, f"{view_name}:{key}")
             if resize is not None:
                 data = resized(data, resize)
-            target = image_path(row.shift, row.label, view.output_name(key))
-            if target in seen:
-                raise LayoutError(f"two images would both be written to {target}")
-            seen.add(target)
+            target = targets[view_name, key]
             (out / target).parent.mkdir(parents=True, exist_ok=True)
             (out / target).write_bytes(data)
             table.append({"file": target, "shift": row.shift, "label": row.label, "source": view_name})

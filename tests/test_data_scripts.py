@@ -824,6 +824,17 @@ def test_a_corrupt_image_in_a_source_is_named(tmp_path):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
 
 
+def test_two_images_with_one_output_name_are_named_before_anything_is_written(tmp_path):
+    "Nested keys (a CT class folder's patient subfolders) can share a base name: both sources are named, and --out is not created."
+    root = make_dir(tmp_path / "src", {"x/1.png": image_bytes("PNG", 1), "x/p1/0.png": image_bytes("PNG", 2), "x/p2/0.png": image_bytes("PNG", 3)})
+    view = archives.View(archives.open_container(root), r"x/(?:.*/)?[^/]+\.png")
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (splits.Draw("v", "id", ("a",), 3, lambda v: {k: "a" for k in v.keys}),))
+    with pytest.raises(archives.LayoutError, match=r"v:x/p1/0\.png and v:x/p2/0\.png would both be written to id/a/0\.png"):
+        common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")

@@ -277,6 +277,23 @@ def test_choose_refuses_too_few_candidates():
         splits.choose({"a": "x", "b": "x"}, 3, 0, "scope")
 
 
+def test_a_split_file_keeps_its_rows_when_a_write_fails(tmp_path, monkeypatch):
+    "The split file is written beside itself and renamed: a disk that fills up half-way loses none of the rows it had."
+    split, rows = tmp_path / "s.csv", [splits.Row("v", "id", "a", f"img/a_{i}.png") for i in range(3)]
+    splits.write_split(split, rows)
+    before, real = split.read_text(), csv.writer
+
+    class Full:  # writes the header, then the disk is full
+        def __init__(self, f, **options): self.writer = real(f, **options)
+        def writerow(self, row): self.writer.writerow(row)
+        def writerows(self, rows): raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv, "writer", Full)
+    with pytest.raises(OSError, match="No space left on device"):
+        splits.write_split(split, rows + [splits.Row("v", "id", "b", "img/b_0.png")])
+    assert split.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["s.csv"]
+
+
 # ------------------------------------------------------------------------------------------ fit draws
 
 def letters_view(tmp_path):

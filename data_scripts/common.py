@@ -81,30 +81,33 @@ def prepare(bench: Benchmark, # what to prepare
         chosen += [(draw, r) for r in rows]
         if sampled:
             new += rows
-    out = claim_folder(out)
-    table, seen = [], set()
-    for view_name in dict.fromkeys(d.view for d, _ in chosen):
-        view = views[view_name]
-        wanted = {r.original: r for d, r in chosen if r.source == view_name}
-        for key, data in tqdm(view.read_many(wanted), total=len(wanted), desc=f"{bench.name}: {view_name}",
-                              disable=not progressbar):
-            row = wanted[key]
-            check_image(data, f"{view_name}:{key}")
-            if resize is not None:
-                data = resized(data, resize)
-            target = image_path(row.shift, row.label, view.output_name(key))
-            if target in seen:
-                raise LayoutError(f"two images would both be written to {target}")
-            seen.add(target)
-            (out / target).parent.mkdir(parents=True, exist_ok=True)
-            (out / target).write_bytes(data)
-            table.append({"file": target, "shift": row.shift, "label": row.label, "source": view_name})
-    table = write_split_table(out, table)
-    write_classes(bench, out, table, seed, sources or {}, resize)
-    if prompts:
-        write_prompt_sets(out, prompts)
-    if new and limit is None:
-        write_split(split, shipped + new)
+    targets, source_of = {}, {}  # (view, key) -> file in the folder; file -> "view:key", to name a clash before writing
+    for _, r in chosen:
+        target = targets[r.source, r.original] = image_path(r.shift, r.label, views[r.source].output_name(r.original))
+        if target in source_of:
+            raise LayoutError(f"{source_of[target]} and {r.source}:{r.original} would both be written to {target}")
+        source_of[target] = f"{r.source}:{r.original}"
+    with claim_folder(out, bench.name) as folder:  # written beside `out`, in its place only once complete
+        table = []
+        for view_name in dict.fromkeys(d.view for d, _ in chosen):
+            view = views[view_name]
+            wanted = {r.original: r for d, r in chosen if r.source == view_name}
+            for key, data in tqdm(view.read_many(wanted), total=len(wanted), desc=f"{bench.name}: {view_name}",
+                                  disable=not progressbar):
+                row = wanted[key]
+                check_image(data, f"{view_name}:{key}")
+                if resize is not None:
+                    data = resized(data, resize)
+                target = targets[view_name, key]
+                (folder / target).parent.mkdir(parents=True, exist_ok=True)
+                (folder / target).write_bytes(data)
+                table.append({"file": target, "shift": row.shift, "label": row.label, "source": view_name})
+        table = write_split_table(folder, table)
+        write_classes(bench, folder, table, seed, sources or {}, resize)
+        if prompts:
+            write_prompt_sets(folder, prompts)
+        if new and limit is None:
+            write_split(split, shipped + new)
     return table
 
 
@@ -261,7 +264,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     check_counts(args.limit, args.resize)
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
-    check_claimable(args.out)  # what would stop the writing, before hours of downloads
+    check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads
     read_split(args.split)
     paths, missing = {}, []
     # Kaggle sources first, so that missing credentials are reported before hours of other downloads

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from archives import LayoutError, View
 from proton.bench.prepared import FOLDERS
+from proton.deploy import replace_atomically
 
 SPLITS = Path(__file__).resolve().parent / "splits"
 SPLIT_COLUMNS = ("source", "shift", "label", "original")  # a split file of the repository; the prepared folder's split.csv is another table
@@ -76,14 +78,15 @@ def read_split(path: Path) -> list[Row]:
 
 
 def write_split(path: Path, rows: Iterable[Row]) -> None:
-    """Write a split file sorted by source, shift, label and key (so that diffs stay small)."""
+    """Write a split file sorted by source, shift, label and key (so that diffs stay small); a failed write leaves the old file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = sorted(set(rows), key=lambda r: (r.source, FOLDERS.index(r.shift), r.label, r.original))
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(SPLIT_COLUMNS)
-        writer.writerows([r.source, r.shift, r.label, r.original] for r in rows)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(SPLIT_COLUMNS)
+    writer.writerows([r.source, r.shift, r.label, r.original] for r in rows)
+    replace_atomically(path, lambda f: f.write(text.getvalue().encode("utf-8")))
 
 
 def fixed_rows(draw: Draw, rows: list[Row]) -> list[Row]:

@@ -1,5 +1,6 @@
 """The data scripts, offline: each source's real layout as tiny generated files, downloads from a real HTTP server on 127.0.0.1."""
 import csv
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -275,6 +276,23 @@ def test_rank_is_deterministic_seeded_and_prefix_consistent():
 def test_choose_refuses_too_few_candidates():
     with pytest.raises(archives.LayoutError, match="need 3 images but the source has only 2"):
         splits.choose({"a": "x", "b": "x"}, 3, 0, "scope")
+
+
+def test_a_split_file_keeps_its_rows_when_a_write_fails(tmp_path, monkeypatch):
+    "The split file is written beside itself and renamed: a disk that fills up half-way loses none of the rows it had."
+    split, rows = tmp_path / "s.csv", [splits.Row("v", "id", "a", f"img/a_{i}.png") for i in range(3)]
+    splits.write_split(split, rows)
+    before, real = split.read_text(), csv.writer
+
+    class Full:  # writes the header, then the disk is full
+        def __init__(self, f, **options): self.writer = real(f, **options)
+        def writerow(self, row): self.writer.writerow(row)
+        def writerows(self, rows): raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv, "writer", Full)
+    with pytest.raises(OSError, match="No space left on device"):
+        splits.write_split(split, rows + [splits.Row("v", "id", "b", "img/b_0.png")])
+    assert split.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["s.csv"]
 
 
 # ------------------------------------------------------------------------------------------ fit draws
@@ -824,11 +842,97 @@ def test_a_corrupt_image_in_a_source_is_named(tmp_path):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
 
 
+def test_two_images_with_one_output_name_are_named_before_anything_is_written(tmp_path):
+    "Nested keys (a CT class folder's patient subfolders) can share a base name: both sources are named, and --out is not created."
+    root = make_dir(tmp_path / "src", {"x/1.png": image_bytes("PNG", 1), "x/p1/0.png": image_bytes("PNG", 2), "x/p2/0.png": image_bytes("PNG", 3)})
+    view = archives.View(archives.open_container(root), r"x/(?:.*/)?[^/]+\.png")
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (splits.Draw("v", "id", ("a",), 3, lambda v: {k: "a" for k in v.keys}),))
+    with pytest.raises(archives.LayoutError, match=r"v:x/p1/0\.png and v:x/p2/0\.png would both be written to id/a/0\.png"):
+        common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert not (tmp_path / "out").exists()
+
+
+def files_in(root):
+    "Every file under `root`, relative path -> bytes."
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_first_run_that_fails_half_way_leaves_nothing_in_the_way(tmp_path):
+    "A first run that stops at a bad image leaves no --out, so the same command runs once the source is mended."
+    view = letters_view(tmp_path)
+    (tmp_path / "src/img/b_4.png").write_bytes(b"not an image")
+    with pytest.raises(archives.LayoutError, match="v:img/b_4.png is not a readable image"):
+        common.prepare(LETTERS, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], "nothing written, nothing left behind"
+    (tmp_path / "src/img/b_4.png").write_bytes(image_bytes("PNG", 4))
+    rows = common.prepare(LETTERS, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert len(read_prepared(tmp_path / "out")) == len(rows) == 10
+
+
+KILLED_RUN = """
+import os, signal, sys
+from pathlib import Path
+sys.path[:0] = [{tests!r}, {scripts!r}]
+import common
+from test_data_scripts import LETTERS, letters_view
+tmp, real, seen = Path({tmp!r}), common.check_image, []
+def check_then_die(data, what):  # SIGKILL once a few images are written: no handler, no cleanup
+    seen.append(what)
+    if len(seen) == 5: os.kill(os.getpid(), signal.SIGKILL)
+    real(data, what)
+common.check_image = check_then_die
+common.prepare(LETTERS, {{"v": letters_view(tmp)}}, tmp / "out", tmp / "s.csv", progressbar=False)
+"""
+
+
+def test_a_killed_first_run_does_not_block_the_next(tmp_path):
+    "A run killed half-way (SIGKILL, a closed Colab tab) cannot clean up: the next run of the same command clears what it left and writes the folder."
+    import subprocess
+    code = KILLED_RUN.format(tests=str(Path(__file__).parent), scripts=str(DATA_SCRIPTS), tmp=str(tmp_path))
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == -9
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.partial" / "id").is_dir(), "killed while writing, beside --out"
+    rows = common.prepare(LETTERS, {"v": letters_view(tmp_path)}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert len(read_prepared(tmp_path / "out")) == len(rows) == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.csv", "src"], "the killed run's leftovers are gone"
+
+
+def test_a_rerun_that_fails_half_way_keeps_the_folder_it_would_replace(tmp_path):
+    "The new folder is built beside the old one and replaces it only when complete: a failed rerun changes no file of the old one."
+    view, out = letters_view(tmp_path), tmp_path / "out"
+    common.prepare(LETTERS, {"v": view}, out, tmp_path / "s.csv", progressbar=False)
+    before = files_in(out)
+    (tmp_path / "src/img/b_4.png").write_bytes(b"not an image")
+    with pytest.raises(archives.LayoutError, match="v:img/b_4.png is not a readable image"):
+        common.prepare(LETTERS, {"v": view}, out, tmp_path / "s.csv", progressbar=False)
+    assert files_in(out) == before and len(read_prepared(out)) == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.csv", "src"]
+
+
+@pytest.mark.parametrize("made_by,message", [("hand", "was not made by the letters data script"),
+                                             ("another benchmark", "holds the other benchmark"),
+                                             ("this script, then notes added", r"holds \['notes.txt'\], which the data scripts did not write")])
+def test_a_folder_the_script_did_not_write_is_refused_not_wiped(tmp_path, made_by, message):
+    "A hand-made prepared folder (the extract chapter's format), another benchmark's folder, or a file of one's own in --out are left alone."
+    out = tmp_path / "out"
+    if made_by == "hand":
+        make_dir(out, {"id/a/x.png": image_bytes("PNG"), "far/cats/y.png": image_bytes("PNG"), "classes.json": b'{"classes": ["a"]}'})
+    else:
+        common.prepare(LETTERS if made_by.startswith("this") else dataclasses.replace(LETTERS, name="other"),
+                       {"v": letters_view(tmp_path)}, out, tmp_path / "other.csv", progressbar=False)
+    if made_by.startswith("this"):
+        (out / "notes.txt").write_text("mine")
+    before = files_in(out)
+    with pytest.raises(ValueError, match=message):
+        common.prepare(LETTERS, {"v": letters_view(tmp_path)}, out, tmp_path / "s.csv", progressbar=False)
+    assert files_in(out) == before
+
+
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")
-    with pytest.raises(ValueError, match="not empty and was not made by these scripts"):
-        claim_folder(tmp_path / "out")
+    with pytest.raises(ValueError, match="not empty and was not made by the t data script"), claim_folder(tmp_path / "out", "t"):
+        pytest.fail("a foreign folder was claimed")
     assert (tmp_path / "out" / "thesis.tex").read_text() == "precious"
 
 
@@ -936,7 +1040,8 @@ def test_a_manifest_that_is_not_one_is_named(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("case,message", [("file", r"--out .*out is a file, not a folder"),
-                                          ("foreign", r"out is not empty and was not made by these scripts"),
+                                          ("foreign", r"out is not empty and was not made by the pathology data script"),
+                                          ("hand-made", r"out is not empty and was not made by the pathology data script"),
                                           ("split", r"split\.csv: columns \['hi'\]"),
                                           ("local", r"--local \w+=.*absent: no such file or folder")])
 def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, monkeypatch, case, message):
@@ -944,9 +1049,11 @@ def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, mo
     monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before the run's files were checked"))
     if case == "file": (tmp_path / "out").write_text("not a folder")
     if case == "foreign": (tmp_path / "out").mkdir(); (tmp_path / "out" / "notes.txt").write_text("mine")
+    if case == "hand-made": make_dir(tmp_path / "out", {"id/a/x.png": image_bytes("PNG"), "classes.json": b'{"classes": ["a"]}'})
     (tmp_path / "split.csv").write_text("hi\n")
     split = ["--split", str(tmp_path / "split.csv")] if case == "split" else []
     local = [f"--local={sorted(pathology.BENCHMARK.keys())[-1]}={tmp_path / 'absent'}"] if case == "local" else []
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
     assert case != "foreign" or (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert case != "hand-made" or (tmp_path / "out" / "id/a/x.png").exists()

@@ -1,6 +1,7 @@
 """Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
 import io
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -275,3 +276,16 @@ def test_a_bank_too_large_for_memory_is_named_with_its_size():
     "--bank-size 100000000000 failed with the allocator's message, which names neither the bank nor the setting."
     with pytest.raises(ValueError, match=r"a bank of 3 queues of 100000000000 entries of dimension 16 needs [\d,.]+ GiB.*choose a smaller bank_size"):
         Proton(T, ProtonConfig(bank_size=10**11, k_min=2, temperature=0.2))
+
+
+def test_the_openood_postprocessor_is_one_of_openoods_when_openood_is_installed(monkeypatch):
+    "OpenOOD's Evaluator refuses a post-processor that is not an instance of its BasePostprocessor (OpenOOD is not installable here: a stand-in)."
+    import importlib, types
+    import proton.interop
+    base = types.ModuleType("openood.postprocessors"); base.BasePostprocessor = type("BasePostprocessor", (), {})
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "openood", types.ModuleType("openood")); m.setitem(sys.modules, "openood.postprocessors", base)
+        post = importlib.reload(proton.interop).OpenOODPostprocessor(Proton(T, CFG))
+    importlib.reload(proton.interop)  # back to the module without OpenOOD
+    assert isinstance(post, base.BasePostprocessor) and not post.APS_mode and post.hyperparam_search_done
+    assert not issubclass(proton.interop.OpenOODPostprocessor, base.BasePostprocessor)

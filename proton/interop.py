@@ -32,6 +32,10 @@ def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its str
         def predict(self, x:Tensor):
             if self.encoder is None: raise ModelNotSetException("ProtonDetector.predict needs an encoder; use predict_features on embeddings")
             with torch.no_grad(): return self.predict_features(self.encoder(x))
+        def to(self, device): # "cpu", "cuda", "cuda:1" or a torch.device
+            "Move the wrapped `Proton`, its stream state included, then what pytorch-ood moves itself (an encoder that is a module)."
+            self.detector.to(device)
+            return super().to(device)
     return ProtonDetector()
 
 # %% ../nbs/51_interop.ipynb

@@ -289,3 +289,25 @@ def test_the_openood_postprocessor_is_one_of_openoods_when_openood_is_installed(
     importlib.reload(proton.interop)  # back to the module without OpenOOD
     assert isinstance(post, base.BasePostprocessor) and not post.APS_mode and post.hyperparam_search_done
     assert not issubclass(proton.interop.OpenOODPostprocessor, base.BasePostprocessor)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_pytorch_ood_detector_sent_to_cuda_without_cuda_is_refused_in_one_line():
+    "ProtonDetector.to('cuda') was accepted on a CPU-only machine, and the next predict_features failed with 'Found no NVIDIA driver'."
+    from proton.interop import pytorch_ood_detector
+    det = Proton(T, CFG); det.score(E[:40]); before = snapshot(det)
+    ood = pytorch_ood_detector(det)
+    with pytest.raises(ValueError, match=r"^the device 'cuda' was asked for, but CUDA is not available here$"): ood.to("cuda")
+    assert same_state(snapshot(det), before) and det.device.type == "cpu"
+    assert torch.equal(ood.predict_features(torch.tensor(E[40:42])), Proton(T, CFG).load_state_dict(before).score(E[40:42]))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + ["cuda"] * torch.cuda.is_available())
+def test_a_pytorch_ood_detector_moves_its_protons_state(device):
+    from proton.interop import pytorch_ood_detector
+    det, twin = Proton(T, CFG), Proton(T, CFG)
+    det.score(E[:40]); twin.score(E[:40])
+    ood = pytorch_ood_detector(det)
+    assert ood.to(device) is ood and det.device.type == det.bank.entries.device.type == det.bank.counts.device.type == device
+    torch.testing.assert_close(ood.predict_features(torch.tensor(E[40:100])).cpu(), twin.score(E[40:100]))
+    assert torch.equal(det.bank.counts.cpu(), twin.bank.counts)

@@ -270,7 +270,14 @@ def _reset(self:Proton):
     "Forget the stream: empty the bank and the running variance."
     self.bank.clear(); self.welford = Welford(); self._set_var_ref(None)
 
-Proton.state_dict, Proton.reset = _state_dict, _reset
+def _to(self:Proton, device): # "cpu", "cuda", "cuda:1" or a torch.device
+    "Move the detector, its stream state included, to `device` in place; a device it cannot use is refused and nothing moves."
+    from proton.models import model_device  # here, not at the top: proton.models imports this module
+    d, b = model_device(device), self.bank
+    self.text, b.entries, b.counts, b.prototypes = (t.to(d) for t in (self.text, b.entries, b.counts, b.prototypes))
+    return self
+
+Proton.state_dict, Proton.reset, Proton.to = _state_dict, _reset, _to
 
 # %% ../nbs/14_detector.ipynb
 def _state_structure(sd, config_keys):

@@ -276,12 +276,14 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
               welford:Welford, # the running moments before the image
               base_fn): # the base score, (N, C) logits -> (N,) scores
     "One image's score and the moments after it, the bank updated in place; None when `x` needs the general path."
-    if isinstance(x, Tensor):
-        if x.device.type != "cpu" or x.requires_grad: return None
-        x = x.numpy()
     text, entries, counts = views.text, views.entries, views.counts
+    shapes = ((text.shape[1],), (1, text.shape[1]))
+    if isinstance(x, Tensor):  # checked before `numpy()`, which refuses bfloat16 (upcast exactly, as float16 is below) and float8
+        if x.device.type != "cpu" or x.requires_grad or x.shape not in shapes: return None
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64): return None
+        x = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
     v = np.asarray(x)
-    if v.shape not in ((text.shape[1],), (1, text.shape[1])) or v.dtype.kind != "f": return None
+    if v.shape not in shapes or v.dtype.kind != "f": return None
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
     n = math.sqrt(float(np.vdot(v, v)))  # vdot, unlike @, does not warn when the square overflows to inf
     if not MIN_NORM <= n < math.inf: return None  # NaN fails both comparisons

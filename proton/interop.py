@@ -32,11 +32,22 @@ def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its str
         def predict(self, x:Tensor):
             if self.encoder is None: raise ModelNotSetException("ProtonDetector.predict needs an encoder; use predict_features on embeddings")
             with torch.no_grad(): return self.predict_features(self.encoder(x))
+        def to(self, device): # "cpu", "cuda", "cuda:1" or a torch.device
+            "Move the wrapped `Proton`, its stream state included, then what pytorch-ood moves itself (an encoder that is a module)."
+            self.detector.to(device)
+            return super().to(device)
     return ProtonDetector()
 
 # %% ../nbs/51_interop.ipynb
-class OpenOODPostprocessor:
+def _openood_base():
+    "OpenOOD's `BasePostprocessor` where OpenOOD is installed (its `Evaluator` accepts nothing else), else `object`."
+    try: from openood.postprocessors import BasePostprocessor
+    except ImportError: return object
+    return BasePostprocessor
+
+class OpenOODPostprocessor(_openood_base()):
     "PROTON with OpenOOD's post-processor calling convention: confidences, larger meaning more ID."
+    APS_mode, hyperparam_search_done = False, True  # no hyperparameter search for the `Evaluator` to run
     def __init__(self, detector:Proton): # the PROTON detector to wrap; its stream advances with every batch
         if not isinstance(detector, Proton): raise TypeError(f"detector must be a Proton, got {type(detector).__name__}")
         self.detector = detector

@@ -1,6 +1,7 @@
 """Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
 import io
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -275,3 +276,38 @@ def test_a_bank_too_large_for_memory_is_named_with_its_size():
     "--bank-size 100000000000 failed with the allocator's message, which names neither the bank nor the setting."
     with pytest.raises(ValueError, match=r"a bank of 3 queues of 100000000000 entries of dimension 16 needs [\d,.]+ GiB.*choose a smaller bank_size"):
         Proton(T, ProtonConfig(bank_size=10**11, k_min=2, temperature=0.2))
+
+
+def test_the_openood_postprocessor_is_one_of_openoods_when_openood_is_installed(monkeypatch):
+    "OpenOOD's Evaluator refuses a post-processor that is not an instance of its BasePostprocessor (OpenOOD is not installable here: a stand-in)."
+    import importlib, types
+    import proton.interop
+    base = types.ModuleType("openood.postprocessors"); base.BasePostprocessor = type("BasePostprocessor", (), {})
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "openood", types.ModuleType("openood")); m.setitem(sys.modules, "openood.postprocessors", base)
+        post = importlib.reload(proton.interop).OpenOODPostprocessor(Proton(T, CFG))
+    importlib.reload(proton.interop)  # back to the module without OpenOOD
+    assert isinstance(post, base.BasePostprocessor) and not post.APS_mode and post.hyperparam_search_done
+    assert not issubclass(proton.interop.OpenOODPostprocessor, base.BasePostprocessor)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_pytorch_ood_detector_sent_to_cuda_without_cuda_is_refused_in_one_line():
+    "ProtonDetector.to('cuda') was accepted on a CPU-only machine, and the next predict_features failed with 'Found no NVIDIA driver'."
+    from proton.interop import pytorch_ood_detector
+    det = Proton(T, CFG); det.score(E[:40]); before = snapshot(det)
+    ood = pytorch_ood_detector(det)
+    with pytest.raises(ValueError, match=r"^the device 'cuda' was asked for, but CUDA is not available here$"): ood.to("cuda")
+    assert same_state(snapshot(det), before) and det.device.type == "cpu"
+    assert torch.equal(ood.predict_features(torch.tensor(E[40:42])), Proton(T, CFG).load_state_dict(before).score(E[40:42]))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + ["cuda"] * torch.cuda.is_available())
+def test_a_pytorch_ood_detector_moves_its_protons_state(device):
+    from proton.interop import pytorch_ood_detector
+    det, twin = Proton(T, CFG), Proton(T, CFG)
+    det.score(E[:40]); twin.score(E[:40])
+    ood = pytorch_ood_detector(det)
+    assert ood.to(device) is ood and det.device.type == det.bank.entries.device.type == det.bank.counts.device.type == device
+    torch.testing.assert_close(ood.predict_features(torch.tensor(E[40:100])).cpu(), twin.score(E[40:100]))
+    assert torch.equal(det.bank.counts.cpu(), twin.bank.counts)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import proton.bank
 from proton import Proton, ProtonConfig
+from proton.engine import STEP_MAX
 from reference import clustered_stream
 
 # ---------------------------------------------------------------------------------------------- batch invariance
@@ -89,6 +90,20 @@ def test_half_precision_inputs_are_upcast():
     want = Proton(T, dtype=torch.float32).score(torch.tensor(E, dtype=torch.float16).float())
     got = Proton(T, dtype=torch.float32).score(torch.tensor(E, dtype=torch.float16))
     assert torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       n=st.integers(0, 2 * STEP_MAX), flat=st.booleans(), parts=st.booleans())
+def test_every_floating_dtype_scores_as_its_float32_copy(dtype, n, flat, parts):
+    "Any batch size on any path (one image, steps, engine; scores or parts): the same as the input upcast by hand."
+    T, E = clustered_stream(2, 16, 2 * STEP_MAX, seed=0)
+    x = torch.tensor(E[:n]).to(dtype)
+    if flat and n == 1: x = x[0]  # a (d,) vector
+    a, b = Proton(T, dtype=torch.float32), Proton(T, dtype=torch.float32)
+    got, want = a.score(x, return_parts=parts), b.score(x.float(), return_parts=parts)
+    for g, w in zip(got, want) if parts else [(got, want)]: torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(a.bank.entries, b.bank.entries) and torch.equal(a.bank.counts, b.bank.counts)
 
 
 @pytest.mark.parametrize("bad", [np.ones((3, 2), dtype=bool), np.ones((3, 2), dtype=np.complex64)])

@@ -4,7 +4,7 @@
 
 # %% auto 0
 __all__ = ['DEFAULT_TEMPERATURE', 'STATE_FORMAT', 'STATE_KEYS', 'ProtonConfig', 'resolve_temperature', 'ProtonParts', 'Proton',
-           'class_indices']
+           'class_indices', 'model_device']
 
 # %% ../nbs/14_detector.ipynb
 import math
@@ -270,9 +270,18 @@ def _reset(self:Proton):
     "Forget the stream: empty the bank and the running variance."
     self.bank.clear(); self.welford = Welford(); self._set_var_ref(None)
 
+def model_device(device=None): # "cpu", "cuda", "cuda:1", a torch.device, or None: CUDA where there is one
+    "The device a model is to run on, checked before anything loads: one line for a name torch does not know, or for CUDA where there is none."
+    if device is None: return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try: d = torch.device(device)
+    except (RuntimeError, TypeError): raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if d.type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"the device {str(device)!r} was asked for, but CUDA is not available here")
+    if d.type == "cuda" and d.index is not None and d.index >= (n := torch.cuda.device_count()):
+        raise ValueError(f"the device {str(device)!r} was asked for, but this machine has {n} CUDA device{'s' * (n != 1)} (cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
+    return d
+
 def _to(self:Proton, device): # "cpu", "cuda", "cuda:1" or a torch.device
     "Move the detector, its stream state included, to `device` in place; a device it cannot use is refused and nothing moves."
-    from proton.models import model_device  # here, not at the top: proton.models imports this module
     d, b = model_device(device), self.bank
     self.text, b.entries, b.counts, b.prototypes = (t.to(d) for t in (self.text, b.entries, b.counts, b.prototypes))
     return self

@@ -6,7 +6,7 @@
 __all__ = ['METHODS', 'HELD_OUT_FRACTION', 'METRICS', 'COLUMNS', 'PAPER_PROTOCOL', 'LABELS', 'SIMULATED', 'COURSE_CACHES',
            'OPTION_FLAGS', 'DEFAULTS', 'import_pandas', 'import_tqdm', 'Method', 'proton_method', 'method_scores',
            'Split', 'carve_held_out', 'SkippedWarning', 'Protocol', 'torch_threads', 'evaluate', 'summarize',
-           'summary_table', 'simulated_cache', 'course_cache', 'claim', 'evaluate_main']
+           'summary_table', 'simulated_cache', 'course_cache', 'claim', 'origin', 'evaluate_main']
 
 # %% ../../nbs/23_evaluation.ipynb
 import argparse
@@ -404,6 +404,11 @@ def _experiment_names(text:str):
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown or not names: raise ValueError(f"unknown experiments {unknown or [text]}: choose from {list(EXPERIMENTS)} or 'all'")
     return list(dict.fromkeys(names))
+
+def origin(*caches): # the caches the results come from
+    "What results from `caches` are, for a label: 'simulated', 'measured', or 'measured and simulated' for a mix."
+    simulated = {bool(c.metadata.get("simulated")) for c in caches}
+    return "measured and simulated" if len(simulated) > 1 else "simulated" if simulated == {True} else "measured"
 
 # %% ../../nbs/23_evaluation.ipynb
 def _parser():

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -49,6 +50,7 @@ class DirContainer(Container):
 
 class ZipContainer(Container):
     def __init__(self, path: Path):
+        self.path = path
         try:
             self.zip = zipfile.ZipFile(path)
         except zipfile.BadZipFile as err:
@@ -58,7 +60,13 @@ class ZipContainer(Container):
         return sorted(i.filename for i in self.zip.infolist() if not i.is_dir())
 
     def read(self, member: str) -> bytes:
-        return self.zip.read(member)
+        # only the central directory is checked on opening: a member's damaged bytes (bad CRC, zlib.error) or a
+        # compression zipfile lacks (NotImplementedError for Deflate64, RuntimeError when encrypted) show when it is read
+        try:
+            return self.zip.read(member)
+        except (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError) as err:
+            raise LayoutError(f"{self.path}:{member}: cannot be read ({type(err).__name__}: {err}); delete the archive and "
+                              "download it again, or extract it with another tool and pass the folder with --local") from err
 
 
 class TarContainer(Container):

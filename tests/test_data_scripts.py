@@ -824,6 +824,36 @@ def test_a_corrupt_image_in_a_source_is_named(tmp_path):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
 
 
+def damaged_zip(path, damage):
+    """A zip holding ``x/0.tif`` and ``x/1.tif``, whose ``x/1.tif`` cannot be read back: its bytes flipped, or
+    compressed with a method Python lacks (Deflate64, as Windows zips large files)."""
+    files = {f"x/{i}.tif": bytes(np.random.default_rng(i).integers(0, 4, 3000, dtype=np.uint8)) for i in range(2)}  # compressible
+    method = zipfile.ZIP_DEFLATED if damage == "flipped deflated" else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", method) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    data = bytearray(path.read_bytes())
+    info = zipfile.ZipFile(path).getinfo("x/1.tif")
+    if damage == "deflate64":
+        data[info.header_offset + 8] = 9  # the compression method in its local header
+        data[bytes(data).rfind(b"PK\x01\x02") + 10] = 9  # and in its central directory entry, the last one
+    else:
+        start = info.header_offset + 30 + len(info.filename) + 100
+        data[start:start + 4] = bytes(b ^ 0xFF for b in data[start:start + 4])
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flipped stored", "flipped deflated", "deflate64"])
+def test_a_damaged_zip_member_is_named(tmp_path, damage):
+    "A member that cannot be read out of its zip is named with the archive, in one line; the other members are read."
+    path = damaged_zip(tmp_path / "a.zip", damage)
+    container = archives.open_container(path)
+    assert len(container.read("x/0.tif")) == 3000
+    with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/1.tif: cannot be read")):
+        container.read("x/1.tif")
+
+
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")

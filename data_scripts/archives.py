@@ -198,9 +198,14 @@ def gunzip_once(path: Path) -> Path:
     out = path.with_suffix("")
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
-        with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(tmp, out)
+        try:
+            with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(tmp, out)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise LayoutError(f"{path} is not a complete gzip file ({err}); delete it and download it again") from err
+        finally:
+            tmp.unlink(missing_ok=True)  # nothing half-decompressed stays behind
     return out
 
 

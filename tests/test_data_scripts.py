@@ -805,6 +805,23 @@ def test_pathology_end_to_end(tmp_path):
     assert (tmp_path / "pcam_x.h5").exists(), "PCam is decompressed once, beside the download"
 
 
+@pytest.mark.parametrize("case,message", [("swapped", r"pcam_y\.h5\.gz has no dataset 'x' \(it has \['y'\]\)"),
+                                          ("cut", r"pcam_x\.h5\.gz is not a complete gzip file"),
+                                          ("not hdf5", r"pcam_x\.h5\.gz is not an HDF5 file")])
+def test_bad_pcam_files_are_named(tmp_path, case, message):
+    "x and y swapped, a gzip cut short or a file that is not HDF5: one line naming the file, and no half-decompressed file left."
+    (x_path, y_path), _, _ = pcam_files(tmp_path)
+    if case == "swapped":
+        x_path, y_path = y_path, x_path
+    if case == "cut":
+        x_path.write_bytes(x_path.read_bytes()[:-5000])
+    if case == "not hdf5":
+        x_path.write_bytes(gzip.compress(b"<html>403 Forbidden</html>"))
+    with pytest.raises(archives.LayoutError, match=message):
+        pathology.PcamView(x_path, y_path)
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "pcam_x.h5").exists()
+
+
 # ------------------------------------------------------------------------------------------ views and folders
 
 def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):

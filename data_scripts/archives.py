@@ -148,7 +148,7 @@ class View:
                  pattern: str, # regex searched in each member name; its group `key` is the image's key
                  flags: int = 0, # regex flags, e.g. re.IGNORECASE
                  rename: Callable[[str], str] | None = None, # key -> output file name; default: the key's base name
-                 convert: Callable[[bytes], bytes] | None = None, # turns a member's bytes into an image file's bytes
+                 convert: Callable[[str, bytes], bytes] | None = None, # (key, member's bytes) -> an image file's bytes
                  ):
         self.container, self.rename, self.convert = container, rename, convert
         regex = re.compile(r"(?:^|/)(?P<key>" + pattern + r")$", flags)
@@ -182,7 +182,8 @@ class View:
     def read_many(self, keys: Iterable[str]) -> Iterator[tuple[str, bytes]]:
         by_member = {self.members[k]: k for k in keys}
         for member, data in self.container.read_many(by_member):
-            yield by_member[member], self.convert(data) if self.convert else data
+            key = by_member[member]
+            yield key, self.convert(key, data) if self.convert else data
 
 
 def safe_name(name: str) -> str:

@@ -715,6 +715,19 @@ def test_dicom_conversion_inverts_monochrome1_and_scales_16_bit():
     assert np.all(np.diff(png.reshape(-1).astype(int)) <= 0)
 
 
+@pytest.mark.parametrize("damage", ["not DICOM", "cut short"])
+def test_a_bad_dicom_file_is_named(tmp_path, damage):
+    "An RSNA file that is not DICOM (an HTML error page) or is cut short: one line naming it, not pydicom's traceback."
+    rsna, _ = rsna_zip(tmp_path / "rsna.zip")
+    with zipfile.ZipFile(rsna) as z:
+        files = {name: z.read(name) for name in z.namelist()}
+    key = "stage_2_train_images/0000abcd-0.dcm"
+    files[key] = b"<html>403 Forbidden</html>" if damage == "not DICOM" else files[key][:-40]
+    view = radiology.rsna_view({"rsna": make_zip(tmp_path / "bad.zip", files)})
+    with pytest.raises(archives.LayoutError, match=f"rsna:{re.escape(key)} is not a readable DICOM radiograph"):
+        list(view.read_many([key]))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bits=st.sampled_from([8, 12, 16]), photometric=st.sampled_from(["MONOCHROME1", "MONOCHROME2"]),
        window=st.one_of(st.none(), st.tuples(st.integers(-500, 3000), st.integers(1, 4000))),

@@ -255,7 +255,7 @@ def run(bench: Benchmark, # the benchmark to prepare
         ) -> list[dict] | str:
     """Parse arguments and prepare a benchmark (or return the dry-run plan); raises on any problem."""
     args = parser(description, bench.name).parse_args(argv)
-    manifest = load_manifest(args.manifest)
+    manifest = load_manifest(args.manifest, bench.keys())
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
     check_counts(args.limit, args.resize)

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterable
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE / "manifest.json"
@@ -36,6 +37,7 @@ REQUIRED_FIELDS = ("title", "page", "download", "filename", "size_bytes", "appro
 
 
 def load_manifest(path: Path | str | None = None, # a manifest.json; None: the one beside this file
+                  needed: Iterable[str] = (), # source names the caller uses, which must be there
                   ) -> dict:
     """Read and check the manifest of sources."""
     path = Path(path or MANIFEST)
@@ -43,7 +45,12 @@ def load_manifest(path: Path | str | None = None, # a manifest.json; None: the o
     except json.JSONDecodeError as err: raise ValueError(f"manifest {path}: not JSON ({err})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sources"), dict):
         raise ValueError(f"manifest {path}: no 'sources' table (a JSON object of source name -> entry)")
+    absent = [k for k in needed if k not in manifest["sources"]]
+    if absent:
+        raise ValueError(f"manifest {path}: no source {', '.join(map(repr, absent))}, which this script needs")
     for key, entry in manifest["sources"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"manifest {path}: source {key!r} is not a JSON object but {entry!r}")
         missing = [f for f in REQUIRED_FIELDS if f not in entry]
         if missing:
             raise ValueError(f"manifest {path}: source {key!r} lacks fields {missing}")

@@ -995,6 +995,20 @@ def test_a_manifest_that_is_not_one_is_named(tmp_path, text, message):
         fetching.load_manifest(tmp_path / "m.json")
 
 
+@pytest.mark.parametrize("change,message", [("drop", "manifest {}: no source 'deepdrid', which this script needs"),
+                                            ("null", "manifest {}: source 'fives' is not a JSON object but None")])
+def test_a_manifest_lacking_a_source_is_named(tmp_path, change, message):
+    "An older or trimmed --manifest is named with what it lacks, in the dry run too, not a KeyError traceback."
+    manifest = json.loads(fetching.MANIFEST.read_text())
+    if change == "drop":
+        del manifest["sources"]["deepdrid"]
+    else:
+        manifest["sources"]["fives"] = None
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / "m.json"))):
+        common.run(ophthalmology.BENCHMARK, ["--out", str(tmp_path / "o"), "--manifest", str(tmp_path / "m.json"), "--dry-run"])
+
+
 @pytest.mark.parametrize("case,message", [("file", r"--out .*out is a file, not a folder"),
                                           ("foreign", r"out is not empty and was not made by these scripts"),
                                           ("split", r"split\.csv: columns \['hi'\]"),

@@ -282,7 +282,7 @@ def run(bench: Benchmark, # the benchmark to prepare
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:
-    """``run`` for the command line: prints the plan or a summary, turns known failures into a message and exit code."""
+    """``run`` for the command line: prints the plan or a summary, turns any failure but Ctrl-C into one line and an exit code."""
     try:
         result = run(bench, argv, description)
     except LoginRequired as err:
@@ -290,6 +290,9 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
         return 2
     except (ValueError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # one line too, so that prepare_all goes on with the other benchmarks; Ctrl-C still stops
+        print(f"error: unexpected {type(err).__name__}: {err} (a bug: please report it with the command you ran)", file=sys.stderr)
         return 1
     if isinstance(result, str):
         print(result)

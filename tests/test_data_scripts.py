@@ -987,6 +987,26 @@ def test_prepare_all_refuses_bad_options_once_before_any_benchmark(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_all_goes_on_after_a_benchmark_fails_unexpectedly(tmp_path, monkeypatch, capsys):
+    "A benchmark that fails in a way nobody foresaw gets one line and exit code 1; the others still run; Ctrl-C still stops all."
+    real = common.run
+
+    def run(bench, argv=None, description=""):
+        if bench.name == "ophthalmology":
+            raise KeyError("unforeseen")
+        return real(bench, argv, description)
+
+    monkeypatch.setattr(common, "run", run)
+    assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("==>")] == [f"==> {b.name}" for b in BENCHMARKS]
+    assert err.splitlines() == ["error: unexpected KeyError: 'unforeseen' (a bug: please report it with the command you ran)",
+                                "not prepared: ophthalmology (see the messages above)"]
+    monkeypatch.setattr(common, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        prepare_all.cli(["--out", str(tmp_path / "out"), "--dry-run"])
+
+
 @pytest.mark.parametrize("text,message", [("hi", "manifest {}: not JSON"), ("[1, 2]", "manifest {}: no 'sources' table"),
                                           ('{"sources": []}', "manifest {}: no 'sources' table")])
 def test_a_manifest_that_is_not_one_is_named(tmp_path, text, message):

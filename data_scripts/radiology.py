@@ -56,7 +56,10 @@ def rsna_view(paths: dict) -> View:
 def rsna_labels(view: View) -> dict[str, str]:
     """``stage_2_detailed_class_info.csv`` as image key -> label folder (one class per patient; box rows repeat it)."""
     labels = {}
-    for row in csv.DictReader(io.StringIO(view.find(r"stage_2_detailed_class_info\.csv").decode())):
+    table = csv.DictReader(io.StringIO(view.find(r"stage_2_detailed_class_info\.csv").decode("utf-8-sig")))
+    if not {"patientId", "class"} <= set(table.fieldnames or ()):
+        raise LayoutError(f"stage_2_detailed_class_info.csv: columns {table.fieldnames}, expected patientId and class")
+    for row in table:
         label = RSNA_CLASSES.get(row["class"])
         if label is None:
             raise LayoutError(f"stage_2_detailed_class_info.csv: unknown class {row['class']!r}")

@@ -715,6 +715,20 @@ def test_dicom_conversion_inverts_monochrome1_and_scales_16_bit():
     assert np.all(np.diff(png.reshape(-1).astype(int)) <= 0)
 
 
+@pytest.mark.parametrize("header", ["patientId,class", "\ufeffpatientId,class", "patientId,Class", "patientId,x,y,Target"])
+def test_the_rsna_class_table_header_is_checked(tmp_path, header):
+    "A byte-order mark (a table saved by Excel) is read; a table without patientId and class is named with its columns."
+    table = f"{header}\n0001,Normal\n".encode()
+    view = radiology.rsna_view({"rsna": make_dir(tmp_path / "rsna", {"stage_2_detailed_class_info.csv": table})})
+    columns = header.lstrip("\ufeff").split(",")
+    if columns == ["patientId", "class"]:
+        assert radiology.rsna_labels(view) == {"stage_2_train_images/0001.dcm": "normal"}
+    else:
+        with pytest.raises(archives.LayoutError, match=re.escape(f"stage_2_detailed_class_info.csv: columns {columns}, "
+                                                                 "expected patientId and class")):
+            radiology.rsna_labels(view)
+
+
 @pytest.mark.parametrize("damage", ["not DICOM", "cut short"])
 def test_a_bad_dicom_file_is_named(tmp_path, damage):
     "An RSNA file that is not DICOM (an HTML error page) or is cut short: one line naming it, not pydicom's traceback."

@@ -72,7 +72,7 @@ def prepare(bench: Benchmark, # what to prepare
     from tqdm.auto import tqdm
 
     bench.check()
-    shipped = read_split(split)
+    shipped = read_split(split, bench.draws)
     chosen, new, taken = [], [], {}
     for draw in bench.draws:
         before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
@@ -226,7 +226,7 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
         state = ("present" if dest.exists() else
                  f"partial, {part.stat().st_size} bytes, will resume" if part.exists() else "not downloaded yet")
         lines.append(f"    to       {dest}  [{state}]")
-    rows = read_split(split)
+    rows = read_split(split, bench.draws)
     lines += ["", f"Images, written to {out}/<shift>/<label>/ (split file {split}"
               f"{'' if split.exists() else ', not there yet'}"
               f"{'' if resize is None else f'; resized to {resize} pixels on the short side'}):"]
@@ -262,7 +262,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     check_claimable(args.out)  # what would stop the writing, before hours of downloads
-    read_split(args.split)
+    read_split(args.split, bench.draws)
     paths, missing = {}, []
     # Kaggle sources first, so that missing credentials are reported before hours of other downloads
     for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):

@@ -320,6 +320,33 @@ def test_an_overlapping_split_file_is_refused(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.parametrize("row,message", [("v,id,a,img/a_0.png,oops", "line 3: 5 fields, expected 4"),
+                                         ("v,id,a", "line 3: 3 fields, expected 4"),
+                                         ("v,test,a,img/a_0.png", "line 3: unknown shift 'test'"),
+                                         ("v,id,A,img/a_0.png", "line 3: no draw takes v/id/A"),
+                                         ("V,id,a,img/a_0.png", "line 3: no draw takes V/id/a")])
+def test_a_hand_edited_split_row_is_refused_before_any_image_is_written(tmp_path, row, message):
+    "A row with a field too many or too few, an unknown shift, or a source or label no draw has: named with its file and line."
+    split = tmp_path / "s.csv"
+    split.write_text(f"source,shift,label,original\nv,id,b,img/b_0.png\n{row}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{split}, {message}")):
+        common.prepare(LETTERS, {"v": letters_view(tmp_path)}, tmp_path / "out", split, progressbar=False)
+    assert not (tmp_path / "out").exists() and split.read_text().endswith(f"{row}\n")
+
+
+def test_a_split_file_with_a_byte_order_mark_is_read(tmp_path):
+    "Excel saves 'CSV UTF-8' with a byte-order mark; the header is still the header."
+    split = tmp_path / "s.csv"
+    split.write_text("\ufeffsource,shift,label,original\nv,id,b,img/b_0.png\n", encoding="utf-8")
+    assert splits.read_split(split, LETTERS.draws) == [splits.Row("v", "id", "b", "img/b_0.png")]
+
+
+def test_the_dry_run_refuses_a_split_row_no_draw_takes(tmp_path):
+    (tmp_path / "s.csv").write_text("source,shift,label,original\nPCam,id,benign,test/00004\n")
+    with pytest.raises(ValueError, match=r"s\.csv, line 2: no draw takes PCam/id/benign; the draws are pcam/id/benign, "):
+        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
+
+
 def test_the_benchmarks_fit_draws():
     for bench in BENCHMARKS:
         fit = tuple(d for d in bench.draws if d.shift == "fit")

@@ -220,12 +220,14 @@ def png_bytes(array) -> bytes:
 
 
 def check_image(data: bytes, what: str) -> None:
-    """Raise ``LayoutError`` unless ``data`` is an image PIL can open (catches truncated files and Git LFS pointers)."""
+    """Raise ``LayoutError`` unless ``data`` is an image PIL can decode (catches truncated files and Git LFS pointers)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            image.verify()
+            image.verify()  # checksums such as PNG's CRCs, without decoding
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()  # decodes: a JPEG or TIFF cut short passes verify()
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         head = data[:40]
         raise LayoutError(f"{what} is not a readable image ({err}); it starts with {head!r}") from err

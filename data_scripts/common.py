@@ -91,7 +91,7 @@ def prepare(bench: Benchmark, # what to prepare
             row = wanted[key]
             check_image(data, f"{view_name}:{key}")
             if resize is not None:
-                data = resized(data, resize)
+                data = resized(data, resize, f"{view_name}:{key}")
             target = image_path(row.shift, row.label, view.output_name(key))
             if target in seen:
                 raise LayoutError(f"two images would both be written to {target}")
@@ -114,22 +114,28 @@ RESIZE_PNG_LEVEL = 0  # a resized PNG is stored without zlib compression: about 
 
 def resized(data: bytes, # an image file's bytes
             short_side: int, # pixels on the short side of the stored image
+            what: str, # names the image in errors, e.g. view:key
             ) -> bytes:
     """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format; a smaller image unchanged."""
     import io
 
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as image:
-        fmt, (w, h) = image.format, image.size
-        if min(w, h) <= short_side:
-            return data
-        if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
-            image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
-        size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
-        small = image.resize(size, Image.Resampling.BICUBIC)
-    out = io.BytesIO()
-    small.save(out, format=fmt, **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            fmt, (w, h) = image.format, image.size
+            if min(w, h) <= short_side:
+                return data
+            if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
+                image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
+            size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
+            small = image.resize(size, Image.Resampling.BICUBIC)
+        out = io.BytesIO()
+        small.save(out, format=fmt,
+                   **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
+    except (OSError, ValueError, KeyError) as err:  # KeyError: a format PIL reads but cannot write
+        raise LayoutError(f"{what} could not be resized ({type(err).__name__}: {err}); "
+                          "without --resize it is copied byte for byte") from err
     return out.getvalue()
 
 

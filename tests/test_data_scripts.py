@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import socket
+import struct
 import sys
 import tarfile
 import threading
@@ -895,6 +896,27 @@ def test_a_corrupt_image_in_a_source_is_named(tmp_path):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
 
 
+@pytest.mark.parametrize("fmt", ["JPEG", "TIFF", "PNG"])
+def test_a_truncated_image_is_caught(fmt):
+    "Image.verify() does not decode JPEG or TIFF data: half a file passed and was copied into the prepared folder."
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, format=fmt)
+    data = buffer.getvalue()
+    archives.check_image(data, "v:whole")
+    with pytest.raises(archives.LayoutError, match="v:half is not a readable image"):
+        archives.check_image(data[:len(data) // 2], "v:half")
+
+
+def test_an_image_that_cannot_be_resized_is_named(tmp_path):
+    "PIL reads Sun raster files but cannot write them: --resize fails naming the image, not with a bare KeyError."
+    sun = struct.pack(">8I", 0x59A66A95, 8, 8, 8, 64, 1, 0, 0) + bytes(range(64))  # an 8x8 grey Sun raster
+    view = archives.View(archives.open_container(make_dir(tmp_path / "d", {"x/1.ras": sun})), r"x/[^/]+\.ras")
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (splits.Draw("v", "id", ("a",), 1, lambda v: {k: "a" for k in v.keys}),))
+    with pytest.raises(archives.LayoutError, match=r"v:x/1\.ras could not be resized \(KeyError: 'SUN'\)"):
+        common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False, resize=4)
+
+
 def damaged_zip(path, damage):
     """A zip holding ``x/0.tif`` and ``x/1.tif``, whose ``x/1.tif`` cannot be read back: its bytes flipped, or
     compressed with a method Python lacks (Deflate64, as Windows zips large files)."""
@@ -995,7 +1017,7 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
         image = image.convert("P", palette=Image.Palette.ADAPTIVE)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60)))
+    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60, "x")))
     assert out.format == "PNG" and min(out.size) == 60 and out.size[0] / out.size[1] == pytest.approx(size[0] / size[1], rel=0.02)
     assert out.mode == {"P": "RGB"}.get(mode, mode)
 
@@ -1006,7 +1028,7 @@ def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():
     smooth = np.clip(np.add.outer(np.arange(240), np.arange(320)) / 2 + rng.normal(0, 1, (240, 320)), 0, 255).astype(np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(np.stack([smooth] * 3, -1)).save(buffer, format="PNG")  # PIL's default level: compresses well
-    small = common.resized(buffer.getvalue(), 120)
+    small = common.resized(buffer.getvalue(), 120, "x")
     assert len(small) >= 120 * 160 * 3 > len(buffer.getvalue()) / 4
 
 

@@ -107,10 +107,15 @@ def shipped(name):
 
 
 class FileServer:
-    """A real HTTP server on 127.0.0.1 serving bytes by path, with Range support; it can cut one response short."""
+    """A real HTTP server on 127.0.0.1 serving bytes by path, with Range support; it can cut one response short.
 
-    def __init__(self, files, cut_after=None, ranges=True):
+    ``encoding``: "when asked" gzip-compresses a response for a client that accepts it, "always" labels every
+    response gzip-encoded as it is (a .gz served so, Apache's classic misconfiguration); both say Content-Encoding: gzip.
+    """
+
+    def __init__(self, files, cut_after=None, ranges=True, encoding=None):
         self.files, self.cut_after, self.ranges, self.requests = files, dict(cut_after or {}), ranges, []
+        self.encoding = encoding
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -138,6 +143,10 @@ class FileServer:
                 else:
                     self.send_response(200)
                 body = data[start:]
+                asked = "gzip" in (self.headers.get("Accept-Encoding") or "")
+                if owner.encoding == "always" or (owner.encoding == "when asked" and asked):
+                    body = gzip.compress(body, mtime=0) if owner.encoding == "when asked" else body
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 cut = owner.cut_after.pop(self.path, None)
@@ -468,6 +477,16 @@ def test_a_complete_part_file_is_finished_without_downloading_again(tmp_path):
     with FileServer({"/a.zip": data}) as server:
         path = fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert path.read_bytes() == data and server.requests == [("/a.zip", f"bytes={len(data)}-")]
+
+
+@pytest.mark.parametrize("encoding", ["when asked", "always"])
+def test_a_download_is_stored_as_served_whatever_the_content_encoding(tmp_path, encoding):
+    "requests asked for gzip and decoded it, so the bytes written never matched Content-Length: every run said 'run again to resume'."
+    data = bytes(range(256)) * 40
+    data = gzip.compress(data, mtime=0) if encoding == "always" else data  # a .gz file, stored as it is
+    with FileServer({"/a.gz": data}, encoding=encoding) as server:
+        path = fetching.download(http_entry(server.url + "/a.gz", data), tmp_path, progressbar=False)
+    assert path.read_bytes() == data
 
 
 def test_a_local_copy_is_checked_against_the_manifest(tmp_path):

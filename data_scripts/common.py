@@ -261,6 +261,8 @@ def run(bench: Benchmark, # the benchmark to prepare
         ) -> list[dict] | str:
     """Parse arguments and prepare a benchmark (or return the dry-run plan); raises on any problem."""
     args = parser(description, bench.name).parse_args(argv)
+    # '--out=~/x' reaches us as typed: no shell expands a '~' after '='
+    args.out, args.split, args.manifest = (p.expanduser() for p in (args.out, args.split, args.manifest))
     manifest = load_manifest(args.manifest, bench.keys())
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())

@@ -532,6 +532,19 @@ def test_dry_run_touches_no_network_and_writes_nothing(script, tmp_path, monkeyp
     assert "among the images no test draw took, then added to the split file" in printed
 
 
+def test_a_tilde_is_expanded_in_every_path_option(tmp_path, monkeypatch, capsys):
+    "'--out=~/x' reaches the script unexpanded by the shell: it made a folder named '~' in the current one."
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(fetching.MANIFEST, tmp_path / "m.json")
+    (tmp_path / "s.csv").write_text("source,shift,label,original\n")
+    argv = ["--out=~/prepared", "--split=~/s.csv", "--manifest=~/m.json", "--raw=~/raw", "--dry-run"]
+    assert common.main(pathology.BENCHMARK, argv) == 0
+    printed = capsys.readouterr().out
+    assert f"written to {tmp_path / 'prepared'}/" in printed and f"(split file {tmp_path / 's.csv'})" in printed
+    assert "~" not in printed
+
+
 def test_dry_run_reports_a_partial_download(tmp_path, capsys):
     (tmp_path / "FIVES.rar.part").write_bytes(b"x" * 123)
     common.main(ophthalmology.BENCHMARK, ["--out", str(tmp_path / "o"), "--raw", str(tmp_path), "--dry-run"])

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -49,6 +50,7 @@ class DirContainer(Container):
 
 class ZipContainer(Container):
     def __init__(self, path: Path):
+        self.path = path
         try:
             self.zip = zipfile.ZipFile(path)
         except zipfile.BadZipFile as err:
@@ -58,7 +60,13 @@ class ZipContainer(Container):
         return sorted(i.filename for i in self.zip.infolist() if not i.is_dir())
 
     def read(self, member: str) -> bytes:
-        return self.zip.read(member)
+        # only the central directory is checked on opening: a member's damaged bytes (bad CRC, zlib.error) or a
+        # compression zipfile lacks (NotImplementedError for Deflate64, RuntimeError when encrypted) show when it is read
+        try:
+            return self.zip.read(member)
+        except (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError) as err:
+            raise LayoutError(f"{self.path}:{member}: cannot be read ({type(err).__name__}: {err}); delete the archive and "
+                              "download it again, or extract it with another tool and pass the folder with --local") from err
 
 
 class TarContainer(Container):
@@ -140,7 +148,7 @@ class View:
                  pattern: str, # regex searched in each member name; its group `key` is the image's key
                  flags: int = 0, # regex flags, e.g. re.IGNORECASE
                  rename: Callable[[str], str] | None = None, # key -> output file name; default: the key's base name
-                 convert: Callable[[bytes], bytes] | None = None, # turns a member's bytes into an image file's bytes
+                 convert: Callable[[str, bytes], bytes] | None = None, # (key, member's bytes) -> an image file's bytes
                  ):
         self.container, self.rename, self.convert = container, rename, convert
         regex = re.compile(r"(?:^|/)(?P<key>" + pattern + r")$", flags)
@@ -174,7 +182,8 @@ class View:
     def read_many(self, keys: Iterable[str]) -> Iterator[tuple[str, bytes]]:
         by_member = {self.members[k]: k for k in keys}
         for member, data in self.container.read_many(by_member):
-            yield by_member[member], self.convert(data) if self.convert else data
+            key = by_member[member]
+            yield key, self.convert(key, data) if self.convert else data
 
 
 def safe_name(name: str) -> str:
@@ -190,9 +199,14 @@ def gunzip_once(path: Path) -> Path:
     out = path.with_suffix("")
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
-        with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(tmp, out)
+        try:
+            with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(tmp, out)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise LayoutError(f"{path} is not a complete gzip file ({err}); delete it and download it again") from err
+        finally:
+            tmp.unlink(missing_ok=True)  # nothing half-decompressed stays behind
     return out
 
 
@@ -206,12 +220,14 @@ def png_bytes(array) -> bytes:
 
 
 def check_image(data: bytes, what: str) -> None:
-    """Raise ``LayoutError`` unless ``data`` is an image PIL can open (catches truncated files and Git LFS pointers)."""
+    """Raise ``LayoutError`` unless ``data`` is an image PIL can decode (catches truncated files and Git LFS pointers)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            image.verify()
+            image.verify()  # checksums such as PNG's CRCs, without decoding
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()  # decodes: a JPEG or TIFF cut short passes verify()
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         head = data[:40]
         raise LayoutError(f"{what} is not a readable image ({err}); it starts with {head!r}") from err

@@ -72,7 +72,7 @@ def prepare(bench: Benchmark, # what to prepare
     from tqdm.auto import tqdm
 
     bench.check()
-    shipped = read_split(split)
+    shipped = read_split(split, bench.draws)
     chosen, new, taken = [], [], {}
     for draw in bench.draws:
         before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
@@ -97,7 +97,7 @@ def prepare(bench: Benchmark, # what to prepare
                 row = wanted[key]
                 check_image(data, f"{view_name}:{key}")
                 if resize is not None:
-                    data = resized(data, resize)
+                    data = resized(data, resize, f"{view_name}:{key}")
                 target = targets[view_name, key]
                 (folder / target).parent.mkdir(parents=True, exist_ok=True)
                 (folder / target).write_bytes(data)
@@ -117,22 +117,28 @@ RESIZE_PNG_LEVEL = 0  # a resized PNG is stored without zlib compression: about 
 
 def resized(data: bytes, # an image file's bytes
             short_side: int, # pixels on the short side of the stored image
+            what: str, # names the image in errors, e.g. view:key
             ) -> bytes:
     """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format; a smaller image unchanged."""
     import io
 
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as image:
-        fmt, (w, h) = image.format, image.size
-        if min(w, h) <= short_side:
-            return data
-        if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
-            image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
-        size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
-        small = image.resize(size, Image.Resampling.BICUBIC)
-    out = io.BytesIO()
-    small.save(out, format=fmt, **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            fmt, (w, h) = image.format, image.size
+            if min(w, h) <= short_side:
+                return data
+            if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
+                image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
+            size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
+            small = image.resize(size, Image.Resampling.BICUBIC)
+        out = io.BytesIO()
+        small.save(out, format=fmt,
+                   **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
+    except (OSError, ValueError, KeyError) as err:  # KeyError: a format PIL reads but cannot write
+        raise LayoutError(f"{what} could not be resized ({type(err).__name__}: {err}); "
+                          "without --resize it is copied byte for byte") from err
     return out.getvalue()
 
 
@@ -229,7 +235,7 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
         state = ("present" if dest.exists() else
                  f"partial, {part.stat().st_size} bytes, will resume" if part.exists() else "not downloaded yet")
         lines.append(f"    to       {dest}  [{state}]")
-    rows = read_split(split)
+    rows = read_split(split, bench.draws)
     lines += ["", f"Images, written to {out}/<shift>/<label>/ (split file {split}"
               f"{'' if split.exists() else ', not there yet'}"
               f"{'' if resize is None else f'; resized to {resize} pixels on the short side'}):"]
@@ -258,14 +264,16 @@ def run(bench: Benchmark, # the benchmark to prepare
         ) -> list[dict] | str:
     """Parse arguments and prepare a benchmark (or return the dry-run plan); raises on any problem."""
     args = parser(description, bench.name).parse_args(argv)
-    manifest = load_manifest(args.manifest)
+    # '--out=~/x' reaches us as typed: no shell expands a '~' after '='
+    args.out, args.split, args.manifest = (p.expanduser() for p in (args.out, args.split, args.manifest))
+    manifest = load_manifest(args.manifest, bench.keys())
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
     check_counts(args.limit, args.resize)
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads
-    read_split(args.split)
+    read_split(args.split, bench.draws)
     paths, missing = {}, []
     # Kaggle sources first, so that missing credentials are reported before hours of other downloads
     for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):
@@ -285,7 +293,7 @@ def run(bench: Benchmark, # the benchmark to prepare
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:
-    """``run`` for the command line: prints the plan or a summary, turns known failures into a message and exit code."""
+    """``run`` for the command line: prints the plan or a summary, turns any failure but Ctrl-C into one line and an exit code."""
     try:
         result = run(bench, argv, description)
     except LoginRequired as err:
@@ -293,6 +301,9 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
         return 2
     except (ValueError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # one line too, so that prepare_all goes on with the other benchmarks; Ctrl-C still stops
+        print(f"error: unexpected {type(err).__name__}: {err} (a bug: please report it with the command you ran)", file=sys.stderr)
         return 1
     if isinstance(result, str):
         print(result)

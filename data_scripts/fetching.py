@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterable
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE / "manifest.json"
@@ -36,6 +37,7 @@ REQUIRED_FIELDS = ("title", "page", "download", "filename", "size_bytes", "appro
 
 
 def load_manifest(path: Path | str | None = None, # a manifest.json; None: the one beside this file
+                  needed: Iterable[str] = (), # source names the caller uses, which must be there
                   ) -> dict:
     """Read and check the manifest of sources."""
     path = Path(path or MANIFEST)
@@ -43,7 +45,12 @@ def load_manifest(path: Path | str | None = None, # a manifest.json; None: the o
     except json.JSONDecodeError as err: raise ValueError(f"manifest {path}: not JSON ({err})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sources"), dict):
         raise ValueError(f"manifest {path}: no 'sources' table (a JSON object of source name -> entry)")
+    absent = [k for k in needed if k not in manifest["sources"]]
+    if absent:
+        raise ValueError(f"manifest {path}: no source {', '.join(map(repr, absent))}, which this script needs")
     for key, entry in manifest["sources"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"manifest {path}: source {key!r} is not a JSON object but {entry!r}")
         missing = [f for f in REQUIRED_FIELDS if f not in entry]
         if missing:
             raise ValueError(f"manifest {path}: source {key!r} lacks fields {missing}")
@@ -125,15 +132,17 @@ class ResumableDownloader:
 
     def __call__(self, url, output_file, pooch, check_only=False):
         import requests
+        import urllib3
 
         if check_only:
             return requests.head(url, timeout=self.timeout, allow_redirects=True).status_code == 200
         done = self.part.stat().st_size if self.part.exists() else 0
-        headers = {"Range": f"bytes={done}-"} if done else {}
+        # the file's own bytes: requests would ask for gzip and decode it, so sizes and ranges would not be the file's
+        headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={done}-"} if done else {})
         try:
             with requests.get(url, headers=headers, stream=True, timeout=self.timeout) as response:
                 total = self._receive(response, done)
-        except requests.RequestException as err:
+        except (requests.RequestException, urllib3.exceptions.HTTPError) as err:  # the raw stream raises urllib3's own
             have = self.part.stat().st_size if self.part.exists() else 0
             raise DownloadError(f"download of {url} stopped after {have} bytes ({err}); "
                                 "run the same command again to resume") from err
@@ -170,7 +179,7 @@ class ResumableDownloader:
         with open(self.part, mode) as f, tqdm(total=total, initial=done, unit="B", unit_scale=True,
                                               unit_divisor=1024, desc=self.part.name[:-5],
                                               disable=not self.progressbar) as bar:
-            for chunk in response.iter_content(chunk_size=self.chunk_size):
+            for chunk in response.raw.stream(self.chunk_size, decode_content=False):  # as sent, even if labelled gzip
                 f.write(chunk)
                 bar.update(len(chunk))
         return total

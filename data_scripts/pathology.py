@@ -18,6 +18,7 @@ Everything downloads from Zenodo and S3 without a login.  Reading PCam's HDF5 fi
 Example:  python data_scripts/pathology.py --out data/pathology
 """
 import sys
+from pathlib import Path
 
 from archives import LayoutError, View, gunzip_once, open_container, png_bytes, safe_name
 from common import Benchmark, imagenette_draw, imagenette_view, main
@@ -27,18 +28,35 @@ PCAM_LABELS = {0: "benign", 1: "malignant"}
 CRC_SEMANTIC = ("ADI", "DEB", "MUC", "MUS", "STR")
 
 
+def pcam_dataset(path, # a PCam HDF5 file, gzipped or not
+                 name: str, # the dataset it must hold: x or y
+                 ):
+    """Dataset ``name`` of a PCam file (decompressed once beside it), or a ``LayoutError`` naming the file."""
+    try:
+        import h5py
+    except ImportError as err:
+        raise ImportError("reading PatchCamelyon's HDF5 files needs h5py: pip install h5py") from err
+    plain = gunzip_once(path)
+    try:
+        f = h5py.File(plain, "r")
+    except OSError as err:
+        if plain != Path(path):
+            plain.unlink()  # decompressed from a bad download: the next one is decompressed afresh
+        raise LayoutError(f"{path} is not an HDF5 file ({err}); delete it and download it again") from err
+    if name not in f:
+        raise LayoutError(f"{path} has no dataset {name!r} (it has {sorted(f)}): is it PCam's test_{name} file? "
+                          "Check --local pcam_test_x and pcam_test_y")
+    return f[name]
+
+
 class PcamView:
     """PatchCamelyon test split as a view: key ``test/<index>`` -> the patch as PNG, label from ``y``."""
 
     def __init__(self, x_path, # camelyonpatch_level_2_split_test_x.h5(.gz)
                  y_path, # camelyonpatch_level_2_split_test_y.h5(.gz)
                  ):
-        try:
-            import h5py
-        except ImportError as err:
-            raise ImportError("reading PatchCamelyon's HDF5 files needs h5py: pip install h5py") from err
-        self.x = h5py.File(gunzip_once(x_path), "r")["x"]
-        y = h5py.File(gunzip_once(y_path), "r")["y"][:].reshape(-1)
+        self.x = pcam_dataset(x_path, "x")
+        y = pcam_dataset(y_path, "y")[:].reshape(-1)
         if self.x.shape[1:] != (96, 96, 3) or len(y) != self.x.shape[0]:
             raise LayoutError(f"PCam: x has shape {self.x.shape} and y {len(y)} labels; expected (N, 96, 96, 3) and N")
         self.labels = {f"test/{i:05d}": PCAM_LABELS[int(v)] for i, v in enumerate(y)}

@@ -30,7 +30,9 @@ RSNA_CLASSES = {"Normal": "normal", "Lung Opacity": "pneumonia",
                 "No Lung Opacity / Not Normal": "no_lung_opacity_not_normal"}
 
 
-def dicom_to_png(data: bytes) -> bytes:
+def dicom_to_png(data: bytes, # a DICOM file's bytes
+                 what: str = "the file", # names it in errors
+                 ) -> bytes:
     """Decode a radiograph stored as DICOM and encode it as an 8-bit PNG, converted as `proton-ood score` reads the file."""
     try:
         import pydicom
@@ -38,19 +40,26 @@ def dicom_to_png(data: bytes) -> bytes:
         raise ImportError("reading RSNA's DICOM files needs pydicom: pip install pydicom") from err
     from proton.models.vlm import dicom_to_8_bits
 
-    return png_bytes(dicom_to_8_bits(pydicom.dcmread(io.BytesIO(data))))
+    try:
+        return png_bytes(dicom_to_8_bits(pydicom.dcmread(io.BytesIO(data))))
+    except Exception as err:  # whatever bad bytes make pydicom raise: InvalidDicomError, ValueError, AttributeError...
+        raise LayoutError(f"{what} is not a readable DICOM radiograph ({err}); it starts with {data[:40]!r}") from err
 
 
 def rsna_view(paths: dict) -> View:
     """RSNA stage-2 training radiographs: ``stage_2_train_images/<patientId>.dcm``, written as ``<patientId>.png``."""
     return View(open_container(paths["rsna"]), r"stage_2_train_images/[^/]+\.dcm",
-                rename=lambda key: key.rsplit("/", 1)[-1][:-4] + ".png", convert=dicom_to_png)
+                rename=lambda key: key.rsplit("/", 1)[-1][:-4] + ".png",
+                convert=lambda key, data: dicom_to_png(data, f"rsna:{key}"))
 
 
 def rsna_labels(view: View) -> dict[str, str]:
     """``stage_2_detailed_class_info.csv`` as image key -> label folder (one class per patient; box rows repeat it)."""
     labels = {}
-    for row in csv.DictReader(io.StringIO(view.find(r"stage_2_detailed_class_info\.csv").decode())):
+    table = csv.DictReader(io.StringIO(view.find(r"stage_2_detailed_class_info\.csv").decode("utf-8-sig")))
+    if not {"patientId", "class"} <= set(table.fieldnames or ()):
+        raise LayoutError(f"stage_2_detailed_class_info.csv: columns {table.fieldnames}, expected patientId and class")
+    for row in table:
         label = RSNA_CLASSES.get(row["class"])
         if label is None:
             raise LayoutError(f"stage_2_detailed_class_info.csv: unknown class {row['class']!r}")

@@ -65,16 +65,33 @@ class Row:
     original: str  # the image's key in its source
 
 
-def read_split(path: Path) -> list[Row]:
-    """Rows of a split file (empty when it does not exist)."""
-    path = Path(path)
+def read_split(path: Path, # a split file
+               draws: Iterable[Draw] = (), # the benchmark's draws: each row must belong to one; () checks no row against them
+               ) -> list[Row]:
+    """Rows of a split file (empty when it does not exist), each checked: four fields, a known shift, a draw it belongs to."""
+    path, draws = Path(path), tuple(draws)
     if not path.exists():
         return []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != SPLIT_COLUMNS:
-            raise ValueError(f"{path}: columns {reader.fieldnames}, expected {list(SPLIT_COLUMNS)}")
-        return [Row(**r) for r in reader]
+    rows = []
+    with open(path, newline="", encoding="utf-8-sig") as f:  # a byte-order mark (Excel's 'CSV UTF-8') is not part of the header
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if tuple(header or ()) != SPLIT_COLUMNS:
+            raise ValueError(f"{path}: columns {header}, expected {list(SPLIT_COLUMNS)}")
+        for fields in reader:
+            if not fields:
+                continue
+            where = f"{path}, line {reader.line_num}"
+            if len(fields) != len(SPLIT_COLUMNS):
+                raise ValueError(f"{where}: {len(fields)} fields, expected {len(SPLIT_COLUMNS)} ({', '.join(SPLIT_COLUMNS)})")
+            row = Row(*fields)
+            if row.shift not in FOLDERS:
+                raise ValueError(f"{where}: unknown shift {row.shift!r}; the shifts are {', '.join(FOLDERS)}")
+            if draws and not any(fixed_rows(d, [row]) for d in draws):
+                raise ValueError(f"{where}: no draw takes {row.source}/{row.shift}/{row.label}; "
+                                 f"the draws are {', '.join(d.scope for d in draws)}")
+            rows.append(row)
+    return rows
 
 
 def write_split(path: Path, rows: Iterable[Row]) -> None:

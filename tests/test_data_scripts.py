@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import socket
+import struct
 import sys
 import tarfile
 import threading
@@ -107,10 +108,15 @@ def shipped(name):
 
 
 class FileServer:
-    """A real HTTP server on 127.0.0.1 serving bytes by path, with Range support; it can cut one response short."""
+    """A real HTTP server on 127.0.0.1 serving bytes by path, with Range support; it can cut one response short.
 
-    def __init__(self, files, cut_after=None, ranges=True):
+    ``encoding``: "when asked" gzip-compresses a response for a client that accepts it, "always" labels every
+    response gzip-encoded as it is (a .gz served so, Apache's classic misconfiguration); both say Content-Encoding: gzip.
+    """
+
+    def __init__(self, files, cut_after=None, ranges=True, encoding=None):
         self.files, self.cut_after, self.ranges, self.requests = files, dict(cut_after or {}), ranges, []
+        self.encoding = encoding
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -138,6 +144,10 @@ class FileServer:
                 else:
                     self.send_response(200)
                 body = data[start:]
+                asked = "gzip" in (self.headers.get("Accept-Encoding") or "")
+                if owner.encoding == "always" or (owner.encoding == "when asked" and asked):
+                    body = gzip.compress(body, mtime=0) if owner.encoding == "when asked" else body
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 cut = owner.cut_after.pop(self.path, None)
@@ -338,6 +348,33 @@ def test_an_overlapping_split_file_is_refused(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.parametrize("row,message", [("v,id,a,img/a_0.png,oops", "line 3: 5 fields, expected 4"),
+                                         ("v,id,a", "line 3: 3 fields, expected 4"),
+                                         ("v,test,a,img/a_0.png", "line 3: unknown shift 'test'"),
+                                         ("v,id,A,img/a_0.png", "line 3: no draw takes v/id/A"),
+                                         ("V,id,a,img/a_0.png", "line 3: no draw takes V/id/a")])
+def test_a_hand_edited_split_row_is_refused_before_any_image_is_written(tmp_path, row, message):
+    "A row with a field too many or too few, an unknown shift, or a source or label no draw has: named with its file and line."
+    split = tmp_path / "s.csv"
+    split.write_text(f"source,shift,label,original\nv,id,b,img/b_0.png\n{row}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{split}, {message}")):
+        common.prepare(LETTERS, {"v": letters_view(tmp_path)}, tmp_path / "out", split, progressbar=False)
+    assert not (tmp_path / "out").exists() and split.read_text().endswith(f"{row}\n")
+
+
+def test_a_split_file_with_a_byte_order_mark_is_read(tmp_path):
+    "Excel saves 'CSV UTF-8' with a byte-order mark; the header is still the header."
+    split = tmp_path / "s.csv"
+    split.write_text("\ufeffsource,shift,label,original\nv,id,b,img/b_0.png\n", encoding="utf-8")
+    assert splits.read_split(split, LETTERS.draws) == [splits.Row("v", "id", "b", "img/b_0.png")]
+
+
+def test_the_dry_run_refuses_a_split_row_no_draw_takes(tmp_path):
+    (tmp_path / "s.csv").write_text("source,shift,label,original\nPCam,id,benign,test/00004\n")
+    with pytest.raises(ValueError, match=r"s\.csv, line 2: no draw takes PCam/id/benign; the draws are pcam/id/benign, "):
+        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
+
+
 def test_the_benchmarks_fit_draws():
     for bench in BENCHMARKS:
         fit = tuple(d for d in bench.draws if d.shift == "fit")
@@ -460,6 +497,16 @@ def test_a_complete_part_file_is_finished_without_downloading_again(tmp_path):
     assert path.read_bytes() == data and server.requests == [("/a.zip", f"bytes={len(data)}-")]
 
 
+@pytest.mark.parametrize("encoding", ["when asked", "always"])
+def test_a_download_is_stored_as_served_whatever_the_content_encoding(tmp_path, encoding):
+    "requests asked for gzip and decoded it, so the bytes written never matched Content-Length: every run said 'run again to resume'."
+    data = bytes(range(256)) * 40
+    data = gzip.compress(data, mtime=0) if encoding == "always" else data  # a .gz file, stored as it is
+    with FileServer({"/a.gz": data}, encoding=encoding) as server:
+        path = fetching.download(http_entry(server.url + "/a.gz", data), tmp_path, progressbar=False)
+    assert path.read_bytes() == data
+
+
 def test_a_local_copy_is_checked_against_the_manifest(tmp_path):
     entry = http_entry("http://127.0.0.1:9/never", b"right")
     (tmp_path / "fixture.zip").write_bytes(b"wrong")
@@ -501,6 +548,19 @@ def test_dry_run_touches_no_network_and_writes_nothing(script, tmp_path, monkeyp
         assert "Prompt sets: none. Ju et al.'s pathology prompts describe LC25000 lung tissue" in printed
     assert "fit/normal/" in printed or "fit/benign/" in printed
     assert "among the images no test draw took, then added to the split file" in printed
+
+
+def test_a_tilde_is_expanded_in_every_path_option(tmp_path, monkeypatch, capsys):
+    "'--out=~/x' reaches the script unexpanded by the shell: it made a folder named '~' in the current one."
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(fetching.MANIFEST, tmp_path / "m.json")
+    (tmp_path / "s.csv").write_text("source,shift,label,original\n")
+    argv = ["--out=~/prepared", "--split=~/s.csv", "--manifest=~/m.json", "--raw=~/raw", "--dry-run"]
+    assert common.main(pathology.BENCHMARK, argv) == 0
+    printed = capsys.readouterr().out
+    assert f"written to {tmp_path / 'prepared'}/" in printed and f"(split file {tmp_path / 's.csv'})" in printed
+    assert "~" not in printed
 
 
 def test_dry_run_reports_a_partial_download(tmp_path, capsys):
@@ -733,6 +793,33 @@ def test_dicom_conversion_inverts_monochrome1_and_scales_16_bit():
     assert np.all(np.diff(png.reshape(-1).astype(int)) <= 0)
 
 
+@pytest.mark.parametrize("header", ["patientId,class", "\ufeffpatientId,class", "patientId,Class", "patientId,x,y,Target"])
+def test_the_rsna_class_table_header_is_checked(tmp_path, header):
+    "A byte-order mark (a table saved by Excel) is read; a table without patientId and class is named with its columns."
+    table = f"{header}\n0001,Normal\n".encode()
+    view = radiology.rsna_view({"rsna": make_dir(tmp_path / "rsna", {"stage_2_detailed_class_info.csv": table})})
+    columns = header.lstrip("\ufeff").split(",")
+    if columns == ["patientId", "class"]:
+        assert radiology.rsna_labels(view) == {"stage_2_train_images/0001.dcm": "normal"}
+    else:
+        with pytest.raises(archives.LayoutError, match=re.escape(f"stage_2_detailed_class_info.csv: columns {columns}, "
+                                                                 "expected patientId and class")):
+            radiology.rsna_labels(view)
+
+
+@pytest.mark.parametrize("damage", ["not DICOM", "cut short"])
+def test_a_bad_dicom_file_is_named(tmp_path, damage):
+    "An RSNA file that is not DICOM (an HTML error page) or is cut short: one line naming it, not pydicom's traceback."
+    rsna, _ = rsna_zip(tmp_path / "rsna.zip")
+    with zipfile.ZipFile(rsna) as z:
+        files = {name: z.read(name) for name in z.namelist()}
+    key = "stage_2_train_images/0000abcd-0.dcm"
+    files[key] = b"<html>403 Forbidden</html>" if damage == "not DICOM" else files[key][:-40]
+    view = radiology.rsna_view({"rsna": make_zip(tmp_path / "bad.zip", files)})
+    with pytest.raises(archives.LayoutError, match=f"rsna:{re.escape(key)} is not a readable DICOM radiograph"):
+        list(view.read_many([key]))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bits=st.sampled_from([8, 12, 16]), photometric=st.sampled_from(["MONOCHROME1", "MONOCHROME2"]),
        window=st.one_of(st.none(), st.tuples(st.integers(-500, 3000), st.integers(1, 4000))),
@@ -821,6 +908,23 @@ def test_pathology_end_to_end(tmp_path):
             assert np.array_equal(np.asarray(Image.open(out / r["file"])), x[index])
             assert r["label"] == ("malignant" if y[index] else "benign")
     assert (tmp_path / "pcam_x.h5").exists(), "PCam is decompressed once, beside the download"
+
+
+@pytest.mark.parametrize("case,message", [("swapped", r"pcam_y\.h5\.gz has no dataset 'x' \(it has \['y'\]\)"),
+                                          ("cut", r"pcam_x\.h5\.gz is not a complete gzip file"),
+                                          ("not hdf5", r"pcam_x\.h5\.gz is not an HDF5 file")])
+def test_bad_pcam_files_are_named(tmp_path, case, message):
+    "x and y swapped, a gzip cut short or a file that is not HDF5: one line naming the file, and no half-decompressed file left."
+    (x_path, y_path), _, _ = pcam_files(tmp_path)
+    if case == "swapped":
+        x_path, y_path = y_path, x_path
+    if case == "cut":
+        x_path.write_bytes(x_path.read_bytes()[:-5000])
+    if case == "not hdf5":
+        x_path.write_bytes(gzip.compress(b"<html>403 Forbidden</html>"))
+    with pytest.raises(archives.LayoutError, match=message):
+        pathology.PcamView(x_path, y_path)
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "pcam_x.h5").exists()
 
 
 # ------------------------------------------------------------------------------------------ views and folders
@@ -928,6 +1032,57 @@ def test_a_folder_the_script_did_not_write_is_refused_not_wiped(tmp_path, made_b
     assert files_in(out) == before
 
 
+@pytest.mark.parametrize("fmt", ["JPEG", "TIFF", "PNG"])
+def test_a_truncated_image_is_caught(fmt):
+    "Image.verify() does not decode JPEG or TIFF data: half a file passed and was copied into the prepared folder."
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, format=fmt)
+    data = buffer.getvalue()
+    archives.check_image(data, "v:whole")
+    with pytest.raises(archives.LayoutError, match="v:half is not a readable image"):
+        archives.check_image(data[:len(data) // 2], "v:half")
+
+
+def test_an_image_that_cannot_be_resized_is_named(tmp_path):
+    "PIL reads Sun raster files but cannot write them: --resize fails naming the image, not with a bare KeyError."
+    sun = struct.pack(">8I", 0x59A66A95, 8, 8, 8, 64, 1, 0, 0) + bytes(range(64))  # an 8x8 grey Sun raster
+    view = archives.View(archives.open_container(make_dir(tmp_path / "d", {"x/1.ras": sun})), r"x/[^/]+\.ras")
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (splits.Draw("v", "id", ("a",), 1, lambda v: {k: "a" for k in v.keys}),))
+    with pytest.raises(archives.LayoutError, match=r"v:x/1\.ras could not be resized \(KeyError: 'SUN'\)"):
+        common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False, resize=4)
+
+
+def damaged_zip(path, damage):
+    """A zip holding ``x/0.tif`` and ``x/1.tif``, whose ``x/1.tif`` cannot be read back: its bytes flipped, or
+    compressed with a method Python lacks (Deflate64, as Windows zips large files)."""
+    files = {f"x/{i}.tif": bytes(np.random.default_rng(i).integers(0, 4, 3000, dtype=np.uint8)) for i in range(2)}  # compressible
+    method = zipfile.ZIP_DEFLATED if damage == "flipped deflated" else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", method) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    data = bytearray(path.read_bytes())
+    info = zipfile.ZipFile(path).getinfo("x/1.tif")
+    if damage == "deflate64":
+        data[info.header_offset + 8] = 9  # the compression method in its local header
+        data[bytes(data).rfind(b"PK\x01\x02") + 10] = 9  # and in its central directory entry, the last one
+    else:
+        start = info.header_offset + 30 + len(info.filename) + 100
+        data[start:start + 4] = bytes(b ^ 0xFF for b in data[start:start + 4])
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flipped stored", "flipped deflated", "deflate64"])
+def test_a_damaged_zip_member_is_named(tmp_path, damage):
+    "A member that cannot be read out of its zip is named with the archive, in one line; the other members are read."
+    path = damaged_zip(tmp_path / "a.zip", damage)
+    container = archives.open_container(path)
+    assert len(container.read("x/0.tif")) == 3000
+    with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/1.tif: cannot be read")):
+        container.read("x/1.tif")
+
+
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")
@@ -998,7 +1153,7 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
         image = image.convert("P", palette=Image.Palette.ADAPTIVE)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60)))
+    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60, "x")))
     assert out.format == "PNG" and min(out.size) == 60 and out.size[0] / out.size[1] == pytest.approx(size[0] / size[1], rel=0.02)
     assert out.mode == {"P": "RGB"}.get(mode, mode)
 
@@ -1009,7 +1164,7 @@ def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():
     smooth = np.clip(np.add.outer(np.arange(240), np.arange(320)) / 2 + rng.normal(0, 1, (240, 320)), 0, 255).astype(np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(np.stack([smooth] * 3, -1)).save(buffer, format="PNG")  # PIL's default level: compresses well
-    small = common.resized(buffer.getvalue(), 120)
+    small = common.resized(buffer.getvalue(), 120, "x")
     assert len(small) >= 120 * 160 * 3 > len(buffer.getvalue()) / 4
 
 
@@ -1031,12 +1186,46 @@ def test_prepare_all_refuses_bad_options_once_before_any_benchmark(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_all_goes_on_after_a_benchmark_fails_unexpectedly(tmp_path, monkeypatch, capsys):
+    "A benchmark that fails in a way nobody foresaw gets one line and exit code 1; the others still run; Ctrl-C still stops all."
+    real = common.run
+
+    def run(bench, argv=None, description=""):
+        if bench.name == "ophthalmology":
+            raise KeyError("unforeseen")
+        return real(bench, argv, description)
+
+    monkeypatch.setattr(common, "run", run)
+    assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("==>")] == [f"==> {b.name}" for b in BENCHMARKS]
+    assert err.splitlines() == ["error: unexpected KeyError: 'unforeseen' (a bug: please report it with the command you ran)",
+                                "not prepared: ophthalmology (see the messages above)"]
+    monkeypatch.setattr(common, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        prepare_all.cli(["--out", str(tmp_path / "out"), "--dry-run"])
+
+
 @pytest.mark.parametrize("text,message", [("hi", "manifest {}: not JSON"), ("[1, 2]", "manifest {}: no 'sources' table"),
                                           ('{"sources": []}', "manifest {}: no 'sources' table")])
 def test_a_manifest_that_is_not_one_is_named(tmp_path, text, message):
     (tmp_path / "m.json").write_text(text)
     with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / "m.json"))):
         fetching.load_manifest(tmp_path / "m.json")
+
+
+@pytest.mark.parametrize("change,message", [("drop", "manifest {}: no source 'deepdrid', which this script needs"),
+                                            ("null", "manifest {}: source 'fives' is not a JSON object but None")])
+def test_a_manifest_lacking_a_source_is_named(tmp_path, change, message):
+    "An older or trimmed --manifest is named with what it lacks, in the dry run too, not a KeyError traceback."
+    manifest = json.loads(fetching.MANIFEST.read_text())
+    if change == "drop":
+        del manifest["sources"]["deepdrid"]
+    else:
+        manifest["sources"]["fives"] = None
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / "m.json"))):
+        common.run(ophthalmology.BENCHMARK, ["--out", str(tmp_path / "o"), "--manifest", str(tmp_path / "m.json"), "--dry-run"])
 
 
 @pytest.mark.parametrize("case,message", [("file", r"--out .*out is a file, not a folder"),

@@ -84,6 +84,8 @@ def pca_trajectories(history:Tensor, # (N, C, d) prototypes after each image, fr
         raise ValueError(f"history must be (N, C, d) and received (N, C), got {tuple(history.shape)} and {tuple(received.shape)}")
     filled = received > 0
     X = history[filled].double()
+    if not len(X) and 1 <= n_components <= history.shape[-1]:  # no prototype ever formed: no path, and no variance to share
+        return torch.full((*history.shape[:2], n_components), torch.nan, dtype=torch.float64), torch.full((n_components,), torch.nan, dtype=torch.float64)
     if not 1 <= n_components <= min(len(X), history.shape[-1]):
         raise ValueError(f"n_components must be in [1, {min(len(X), history.shape[-1])}] (non-empty prototypes and dimensions), got {n_components}")
     centred = X - X.mean(0)

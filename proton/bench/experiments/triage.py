@@ -50,7 +50,9 @@ def triage(cache:EmbeddingCache, # the embedding cache: ID images and at least t
     df = pd.DataFrame(dict(row=order[keep], t=np.flatnonzero(keep), shift=kind[keep],
                            base=parts.base.double().numpy()[keep], proto=parts.proto.double().numpy()[keep]))
     counts = df["shift"].value_counts()
-    if len(counts) < 2: raise ValueError(f"triage needs at least two OOD shifts with scored images, got {counts.to_dict()}")
+    if len(counts) < 2:
+        why = "" if len(counts) else f": no OOD image was scored after calibration (every class needs K_min={det.config.k_min} images that pass the confidence gate γ={det.config.gamma})"
+        raise ValueError(f"triage needs at least two OOD shifts with scored images, got {counts.to_dict()}{why}")
     if counts.min() < n_splits:
         raise ValueError(f"triage needs {n_splits} scored images of every OOD shift (one a fold of its cross-validation); {counts.idxmin()} has {counts.min()} of {counts.to_dict()}")
     cv = StratifiedKFold(n_splits, shuffle=True, random_state=seed)

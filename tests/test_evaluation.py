@@ -375,3 +375,31 @@ def test_summarize_refuses_results_it_would_pool_wrongly(cache):
 def test_method_labels_that_print_alike_are_refused(cache):
     with pytest.raises(ValueError, match="method labels 1 and '1' are both '1'"):
         evaluate(cache, {1: ("mcm", None), "1": ("proton", None)}, shifts="far", n_permutations=1)
+
+
+def test_command_refuses_an_out_that_is_a_hard_link_to_one_of_its_caches(cache, tmp_path, capsys):
+    "A hard link to the cache as --out passed the check (it compared resolved paths) and the table was written over the cache."
+    import os
+    path = cache.save(tmp_path / "c.npz")
+    os.link(path, tmp_path / "r.csv")
+    before = path.read_bytes()
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "would overwrite the cache" in err and err.count("\n") == 1, err
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "r.csv"]
+
+
+def test_a_failed_write_of_a_table_keeps_the_old_one_whole(cache, tmp_path, monkeypatch):
+    "The tables were written in place: a write that failed half-way (a full disk) left a truncated CSV instead of the old results."
+    path, out = cache.save(tmp_path / "c.npz"), tmp_path / "r.csv"
+    run = lambda: evaluate_main([str(path), "--out", str(out), "--permutations", "1", "--no-progress"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert run() == 0
+        results = out.read_bytes()
+        def half(df, target, **kwargs):
+            (target if hasattr(target, "write") else open(target, "wb")).write(b"method,")
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(pd.DataFrame, "to_csv", half)
+        with pytest.raises(OSError, match="No space left"): run()
+    assert out.read_bytes() == results and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "r.csv", "r_protocol.json"]

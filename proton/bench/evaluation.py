@@ -472,26 +472,34 @@ def _paths(name:str, out:Path):
         return {t: out.with_name(f"{out.stem}_{name}_{t}.csv") for t in tables}
     return {None: out if name == "main_table" else out.with_name(f"{out.stem}_{name}.csv")}
 
+def _same_file(a, b): # two paths
+    "Whether both exist and are one file, by any name: a symbolic or a hard link."
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
 def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
     "Raise unless every file the run will write can be written and none of them is a cache it reads."
     if out.endswith(("/", os.sep)): raise ValueError(f"--out {out} names a folder; give the file of the main table, such as {out}results.csv")
     stem = Path(out)
     files = [p for n in names if simulated_run or EXPERIMENTS[n].takes != "world" for p in _paths(n, stem).values()]
     for path in files + [stem.with_name(f"{stem.stem}_protocol.json")]:
-        read = [c for c in caches if Path(c).resolve() == path.resolve()]
+        read = [c for c in caches if Path(c).resolve() == path.resolve() or _same_file(c, path)]
         if read and path == stem: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
         if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
         _check_writable(path)
+
+def _write_csv(df, path:Path): # a table; its file
+    "Write `df` to `path` whole or not at all: a failed write keeps the old file, and a hard link to `path` keeps its content."
+    replace_atomically(path, lambda f: df.to_csv(f, index=False))
 
 def _write(name:str, result, out:Path, simulated:str, permutations:int):
     "Write one experiment's result next to `out` and print its summary, headed by `simulated` (' (simulated)', or which caches are, or '')."
     label = f"\n{name}{simulated}: "
     if EXPERIMENTS[name].returns == "tables":
         for table, path in _paths(name, out).items():
-            df = getattr(result, table); df.to_csv(path, index=False); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
+            df = getattr(result, table); _write_csv(df, path); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
         return
     path = _paths(name, out)[None]
-    result.to_csv(path, index=False)
+    _write_csv(result, path)
     if EXPERIMENTS[name].returns == "rows": print(f"{label}first rows\n{result.head(10).to_string()}")
     else: print(f"{label}mean ± std over {permutations} stream order{'s' if permutations > 1 else ''}, %\n{summary_table(summarize(result)).to_string()}")
     print(f"wrote {path}")

@@ -154,11 +154,13 @@ def test_all_experiments_on_a_1000_image_cache(tmp_path, capsys):
     path = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=400, n_per_shift=200).save(tmp_path / "c1000.npz")
     out = tmp_path / "results.csv"
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SkippedWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert evaluate_main([str(path), "--out", str(out), "--experiments", "all", "--no-progress"]) == 0
     seconds = time.perf_counter() - start
     printed = capsys.readouterr().out
+    skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedWarning) and "regime" in str(w.message)]
+    assert len(skipped) == 1 and skipped[0].startswith("skipped regime: it sweeps synthetic worlds"), skipped  # with `all`, a warning
     for name, e in EXPERIMENTS.items():
         if e.takes == "world":  # regime sweeps synthetic worlds: not run on cache files
             assert name not in printed; continue  # the skip is a warning, on stderr
@@ -321,15 +323,29 @@ def test_a_second_run_into_the_same_out_keeps_the_protocol_of_the_first(cache, t
     assert protocol["main_table"]["seed"] == 0 and protocol["ablation"]["seed"] == 7
 
 
-def test_regime_skipped_on_cache_files_is_a_warning(cache, tmp_path, capsys):
-    "regime's skip message went to stdout among the results; it is a warning, as every other skip is."
+@pytest.mark.parametrize("experiments", ["regime", "main_table,regime"])
+def test_regime_named_with_cache_files_is_an_error(cache, tmp_path, capsys, experiments):
+    "`evaluate c.npz --experiments regime` warned 'skipped regime', wrote nothing and exited 0; named, it fails, before any computation."
     path = cache.save(tmp_path / "c.npz")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", "regime", "--no-progress"]) == 0
-    assert "regime" not in capsys.readouterr().out
-    skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedWarning) and "regime" in str(w.message)]
-    assert len(skipped) == 1 and skipped[0].startswith("skipped regime: it sweeps synthetic worlds"), skipped
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", experiments, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "regime sweeps synthetic worlds, so it runs only without cache files" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
+
+
+@pytest.mark.parametrize("caches", [[], ["c.npz"]])
+def test_an_empty_simulated_preset_is_refused(cache, tmp_path, capsys, caches):
+    "`--simulated ''` ran the default world silently, and `c.npz --simulated ''` was not refused as caches and --simulated both."
+    paths = [str(cache.save(tmp_path / c)) for c in caches]
+    argv = [*paths, "--simulated", "", "--out", str(tmp_path / "r.csv"), "--permutations", "1", "--no-progress"]
+    if caches:
+        with pytest.raises(SystemExit): evaluate_main(argv)
+        assert "give cache files or --simulated, not both" in capsys.readouterr().err
+    else:
+        assert evaluate_main(argv) == 1
+        err = capsys.readouterr().err
+        assert "--simulated" in err and "''" in err and "default" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == caches
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])

@@ -449,7 +449,7 @@ def _run_experiment(name:str, caches:list, args):
     e, run = EXPERIMENTS[name], experiment(name)
     if e.takes == "world":
         if not args.simulated_run: return None
-        return run(SyntheticWorld.preset(args.simulated or "default", seed=0), **_options(run, args))
+        return run(SyntheticWorld.preset(args.simulated, seed=0), **_options(run, args))
     if e.takes == "caches": return run(dict(caches), **_options(run, args))
     results = [run(cache, **_options(run, args)) for _, cache in caches]
     if len(caches) == 1: return results[0]
@@ -530,17 +530,22 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     p = _parser()
     args = p.parse_args(sys.argv[2:] if argv is None else argv)
     args.given = _given(args)
-    if args.caches and args.simulated: p.error("give cache files or --simulated, not both")
+    if args.caches and args.simulated is not None: p.error("give cache files or --simulated, not both")
     if args.permutations < 1: p.error(f"--permutations must be at least 1, got {args.permutations}")
     args.simulated_run = not args.caches
     try:
         if not 0 <= args.seed < 2**32: raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {args.seed}")  # numpy's and scikit-learn's range
         args.protocol = replace(PAPER_PROTOCOL, rho=_rho(args.rho), n_permutations=args.permutations, seed=args.seed, fpr95_convention=args.fpr95)
+        if args.simulated is None: args.simulated = "default"
+        elif args.simulated not in PRESETS: raise ValueError(f"--simulated must name a preset, one of {list(PRESETS)}, got {args.simulated!r}")
         names = _experiment_names(args.experiments)
+        world = [n for n in names if EXPERIMENTS[n].takes == "world"]
+        if world and args.caches and args.experiments.strip() != "all":  # `all` skips it with a warning; named, it fails
+            raise ValueError(f"{world[0]} sweeps synthetic worlds, so it runs only without cache files: run it without them (--simulated PRESET) or leave it out")
         _check_outputs(args.out, names, args.caches, args.simulated_run)  # every file, before the computation, not after it
         _check_distinct([(path, Path(path).resolve()) for path in args.caches], "file")
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
-                  else [(f"simulated:{args.simulated or 'default'}", simulated_cache(args.simulated or "default"))])
+                  else [(f"simulated:{args.simulated}", simulated_cache(args.simulated))])
         _check_distinct([(path, c.content_hash()) for path, c in caches], "content")
     except (ValueError, OSError) as e:
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)

@@ -417,3 +417,13 @@ def test_what_the_detector_would_refuse_is_refused_at_construction():
     c = small()
     with pytest.raises(ValueError, match="a cache needs at least one image"):
         small(image_embeddings=c.image_embeddings[:0], labels=c.labels[:0], shift=c.shift[:0], source=None, local_embeddings=None)
+
+
+def test_a_fit_split_or_patches_the_detectors_would_refuse_are_refused_at_construction():
+    "Zero-length fit rows, an empty fit split or L=0 patches were accepted; kNN-ID, Mahalanobis and GL-MCM were then skipped with a warning."
+    F = np.random.default_rng(1).normal(size=(3, 5)).astype(np.float32); F[1] = 0
+    with pytest.raises(ValueError, match=r"fit_embeddings rows \[1\] have zero length"): small(fit_embeddings=F, fit_labels=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"fit_embeddings hold no image.*leave the fit split out"):
+        small(fit_embeddings=np.zeros((0, 5), np.float32), fit_labels=np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match=r"local_embeddings hold no patch.*leave local_embeddings out"):
+        small(local_embeddings=np.zeros((7, 0, 5), np.float32))

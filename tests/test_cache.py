@@ -201,6 +201,15 @@ def test_invalid_content_with_valid_hash_is_refused_on_load(tmp_path):
         EmbeddingCache.load(tmp_path / "n.npz")
 
 
+def test_a_header_missing_a_field_names_the_field(tmp_path):
+    "A header without class_names said \"invalid cache: 'class_names'\", the bare text of a KeyError."
+    arrays, header = small()._contents()
+    h = json.loads(header); del h["class_names"]
+    write_with_valid_hash(tmp_path / "k.npz", arrays, json.dumps(h))
+    with pytest.raises(CorruptCacheError, match=r"k\.npz: invalid cache: the header lacks the field 'class_names'"):
+        EmbeddingCache.load(tmp_path / "k.npz")
+
+
 # --- no pickle --------------------------------------------------------------------------------------------------
 
 def test_object_array_is_refused(tmp_path):

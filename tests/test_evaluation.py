@@ -419,3 +419,11 @@ def test_a_failed_write_of_a_table_keeps_the_old_one_whole(cache, tmp_path, monk
         monkeypatch.setattr(pd.DataFrame, "to_csv", half)
         with pytest.raises(OSError, match="No space left"): run()
     assert out.read_bytes() == results and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "r.csv", "r_protocol.json"]
+
+
+def test_command_refuses_an_empty_out(cache, tmp_path, capsys):
+    "`--out ''` failed with \"PosixPath('.') has an empty name\"."
+    path = cache.save(tmp_path / "c.npz")
+    assert evaluate_main([str(path), "--out", "", "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--out is empty" in err and err.count("\n") == 1, err

@@ -377,6 +377,8 @@ def _load(cls,
     except ValueError as e: raise CorruptCacheError(f"{path}: header is not valid JSON ({e})") from e
     if not isinstance(h, dict) or h.get("format") != CACHE_FORMAT:
         raise CorruptCacheError(f"{path}: unknown format {h.get('format') if isinstance(h, dict) else h!r}, expected {CACHE_FORMAT!r}")
+    missing = [k for k in ("class_names", "temperature", "metadata") if k not in h]
+    if missing: raise CorruptCacheError(f"{path}: invalid cache: the header lacks the field {missing[0]!r}")
     try: return cls(class_names=h["class_names"], temperature=h["temperature"], metadata=h["metadata"], **arrays)
     except (KeyError, TypeError, ValueError) as e: raise CorruptCacheError(f"{path}: invalid cache: {e}") from e
 EmbeddingCache.load = classmethod(_load)

@@ -478,6 +478,7 @@ def _same_file(a, b): # two paths
 
 def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
     "Raise unless every file the run will write can be written and none of them is a cache it reads."
+    if not out: raise ValueError("--out is empty: give the file of the main table, such as results.csv")
     if out.endswith(("/", os.sep)): raise ValueError(f"--out {out} names a folder; give the file of the main table, such as {out}results.csv")
     stem = Path(out)
     files = [p for n in names if simulated_run or EXPERIMENTS[n].takes != "world" for p in _paths(n, stem).values()]

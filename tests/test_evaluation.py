@@ -427,3 +427,13 @@ def test_command_refuses_an_empty_out(cache, tmp_path, capsys):
     assert evaluate_main([str(path), "--out", "", "--permutations", "1", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "--out is empty" in err and err.count("\n") == 1, err
+
+
+def test_nothing_to_evaluate_names_the_real_cause(cache):
+    "With no stream to run, the error listed every method lacking prompts first and the real cause (rho too far from 0.5) last."
+    with pytest.raises(ValueError) as e: evaluate(cache, rho=0.001, n_permutations=1, progress=False)
+    message = str(e.value)
+    assert message.startswith("nothing to evaluate: no shift has a stream: shift 'semantic' (rho=0.001 leaves"), message
+    assert "prompt_text_embeddings" not in message and "\n" not in message, message
+    with pytest.raises(ValueError, match=r"^nothing to evaluate: no method can run: gl_mcm \(the cache has no local_embeddings"):
+        evaluate(cache.subset(cache.shift != "far"), ["gl_mcm"], shifts=["semantic", "far"], n_permutations=1, progress=False)

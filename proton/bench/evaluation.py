@@ -308,8 +308,9 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
         runnable, skipped = _runnable(prepared, variants, why)
         streams, no_stream = _streams(test, shifts, n_permutations=int(n_permutations), seed=seed, rho=rho, order=order,
                                       warmup=warmup, sample_seed=seed)
+        if not streams: raise ValueError("nothing to evaluate: no shift has a stream: " + "; ".join(no_stream))  # the cause, not the methods
+        if not runnable: raise ValueError("nothing to evaluate: no method can run: " + "; ".join(skipped))
         skipped += no_stream
-        if not runnable or not streams: raise ValueError("nothing to evaluate: skipped " + "; ".join(skipped))
         if skipped: warnings.warn("skipped " + "; ".join(skipped), SkippedWarning, stacklevel=2)
         desc = "evaluate" + (f" ρ={rho}" if rho is not None else "") + (f" {order}" if order != "shuffled" else "")
         rows = _measure(prepared, runnable, streams, tqdm(total=len(streams) * len(runnable), desc=desc, disable=not progress), fpr95_convention)

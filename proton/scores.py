@@ -93,10 +93,12 @@ def plain_number(value, # a Python, numpy or 0-d torch number
     return int(v) if float(v).is_integer() else None
 
 def check_temperature(temperature): # τ, from a configuration, a cache or a model
-    "`temperature` as a float; a `ValueError` unless it is a positive, finite real number."
+    "`temperature` as a float; a `ValueError` unless it is a positive, finite real number whose 1/τ float32 can hold."
     t = plain_number(temperature)
     if t is None: raise ValueError(f"temperature must be a positive, finite number, got {temperature!r}")
     if not 0 < t < math.inf: raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if not torch.isfinite(torch.tensor(1.) / t):  # the logit of a cosine of 1, computed as `zero_shot_logits` does
+        raise ValueError(f"temperature {temperature} is too small: 1/τ overflows float32, so the logits would be infinite; τ must exceed {1 / torch.finfo(torch.float32).max:.4g}")
     return t
 
 # %% ../nbs/10_scores.ipynb

@@ -201,6 +201,15 @@ def test_invalid_content_with_valid_hash_is_refused_on_load(tmp_path):
         EmbeddingCache.load(tmp_path / "n.npz")
 
 
+def test_a_header_missing_a_field_names_the_field(tmp_path):
+    "A header without class_names said \"invalid cache: 'class_names'\", the bare text of a KeyError."
+    arrays, header = small()._contents()
+    h = json.loads(header); del h["class_names"]
+    write_with_valid_hash(tmp_path / "k.npz", arrays, json.dumps(h))
+    with pytest.raises(CorruptCacheError, match=r"k\.npz: invalid cache: the header lacks the field 'class_names'"):
+        EmbeddingCache.load(tmp_path / "k.npz")
+
+
 # --- no pickle --------------------------------------------------------------------------------------------------
 
 def test_object_array_is_refused(tmp_path):
@@ -417,3 +426,13 @@ def test_what_the_detector_would_refuse_is_refused_at_construction():
     c = small()
     with pytest.raises(ValueError, match="a cache needs at least one image"):
         small(image_embeddings=c.image_embeddings[:0], labels=c.labels[:0], shift=c.shift[:0], source=None, local_embeddings=None)
+
+
+def test_a_fit_split_or_patches_the_detectors_would_refuse_are_refused_at_construction():
+    "Zero-length fit rows, an empty fit split or L=0 patches were accepted; kNN-ID, Mahalanobis and GL-MCM were then skipped with a warning."
+    F = np.random.default_rng(1).normal(size=(3, 5)).astype(np.float32); F[1] = 0
+    with pytest.raises(ValueError, match=r"fit_embeddings rows \[1\] have zero length"): small(fit_embeddings=F, fit_labels=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"fit_embeddings hold no image.*leave the fit split out"):
+        small(fit_embeddings=np.zeros((0, 5), np.float32), fit_labels=np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match=r"local_embeddings hold no patch.*leave local_embeddings out"):
+        small(local_embeddings=np.zeros((7, 0, 5), np.float32))

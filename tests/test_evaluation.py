@@ -154,11 +154,13 @@ def test_all_experiments_on_a_1000_image_cache(tmp_path, capsys):
     path = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=400, n_per_shift=200).save(tmp_path / "c1000.npz")
     out = tmp_path / "results.csv"
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SkippedWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert evaluate_main([str(path), "--out", str(out), "--experiments", "all", "--no-progress"]) == 0
     seconds = time.perf_counter() - start
     printed = capsys.readouterr().out
+    skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedWarning) and "regime" in str(w.message)]
+    assert len(skipped) == 1 and skipped[0].startswith("skipped regime: it sweeps synthetic worlds"), skipped  # with `all`, a warning
     for name, e in EXPERIMENTS.items():
         if e.takes == "world":  # regime sweeps synthetic worlds: not run on cache files
             assert name not in printed; continue  # the skip is a warning, on stderr
@@ -321,15 +323,29 @@ def test_a_second_run_into_the_same_out_keeps_the_protocol_of_the_first(cache, t
     assert protocol["main_table"]["seed"] == 0 and protocol["ablation"]["seed"] == 7
 
 
-def test_regime_skipped_on_cache_files_is_a_warning(cache, tmp_path, capsys):
-    "regime's skip message went to stdout among the results; it is a warning, as every other skip is."
+@pytest.mark.parametrize("experiments", ["regime", "main_table,regime"])
+def test_regime_named_with_cache_files_is_an_error(cache, tmp_path, capsys, experiments):
+    "`evaluate c.npz --experiments regime` warned 'skipped regime', wrote nothing and exited 0; named, it fails, before any computation."
     path = cache.save(tmp_path / "c.npz")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", "regime", "--no-progress"]) == 0
-    assert "regime" not in capsys.readouterr().out
-    skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedWarning) and "regime" in str(w.message)]
-    assert len(skipped) == 1 and skipped[0].startswith("skipped regime: it sweeps synthetic worlds"), skipped
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--experiments", experiments, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "regime sweeps synthetic worlds, so it runs only without cache files" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
+
+
+@pytest.mark.parametrize("caches", [[], ["c.npz"]])
+def test_an_empty_simulated_preset_is_refused(cache, tmp_path, capsys, caches):
+    "`--simulated ''` ran the default world silently, and `c.npz --simulated ''` was not refused as caches and --simulated both."
+    paths = [str(cache.save(tmp_path / c)) for c in caches]
+    argv = [*paths, "--simulated", "", "--out", str(tmp_path / "r.csv"), "--permutations", "1", "--no-progress"]
+    if caches:
+        with pytest.raises(SystemExit): evaluate_main(argv)
+        assert "give cache files or --simulated, not both" in capsys.readouterr().err
+    else:
+        assert evaluate_main(argv) == 1
+        err = capsys.readouterr().err
+        assert "--simulated" in err and "''" in err and "default" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == caches
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])
@@ -375,3 +391,49 @@ def test_summarize_refuses_results_it_would_pool_wrongly(cache):
 def test_method_labels_that_print_alike_are_refused(cache):
     with pytest.raises(ValueError, match="method labels 1 and '1' are both '1'"):
         evaluate(cache, {1: ("mcm", None), "1": ("proton", None)}, shifts="far", n_permutations=1)
+
+
+def test_command_refuses_an_out_that_is_a_hard_link_to_one_of_its_caches(cache, tmp_path, capsys):
+    "A hard link to the cache as --out passed the check (it compared resolved paths) and the table was written over the cache."
+    import os
+    path = cache.save(tmp_path / "c.npz")
+    os.link(path, tmp_path / "r.csv")
+    before = path.read_bytes()
+    assert evaluate_main([str(path), "--out", str(tmp_path / "r.csv"), "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "would overwrite the cache" in err and err.count("\n") == 1, err
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "r.csv"]
+
+
+def test_a_failed_write_of_a_table_keeps_the_old_one_whole(cache, tmp_path, monkeypatch):
+    "The tables were written in place: a write that failed half-way (a full disk) left a truncated CSV instead of the old results."
+    path, out = cache.save(tmp_path / "c.npz"), tmp_path / "r.csv"
+    run = lambda: evaluate_main([str(path), "--out", str(out), "--permutations", "1", "--no-progress"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedWarning)
+        assert run() == 0
+        results = out.read_bytes()
+        def half(df, target, **kwargs):
+            (target if hasattr(target, "write") else open(target, "wb")).write(b"method,")
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(pd.DataFrame, "to_csv", half)
+        with pytest.raises(OSError, match="No space left"): run()
+    assert out.read_bytes() == results and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "r.csv", "r_protocol.json"]
+
+
+def test_command_refuses_an_empty_out(cache, tmp_path, capsys):
+    "`--out ''` failed with \"PosixPath('.') has an empty name\"."
+    path = cache.save(tmp_path / "c.npz")
+    assert evaluate_main([str(path), "--out", "", "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--out is empty" in err and err.count("\n") == 1, err
+
+
+def test_nothing_to_evaluate_names_the_real_cause(cache):
+    "With no stream to run, the error listed every method lacking prompts first and the real cause (rho too far from 0.5) last."
+    with pytest.raises(ValueError) as e: evaluate(cache, rho=0.001, n_permutations=1, progress=False)
+    message = str(e.value)
+    assert message.startswith("nothing to evaluate: no shift has a stream: shift 'semantic' (rho=0.001 leaves"), message
+    assert "prompt_text_embeddings" not in message and "\n" not in message, message
+    with pytest.raises(ValueError, match=r"^nothing to evaluate: no method can run: gl_mcm \(the cache has no local_embeddings"):
+        evaluate(cache.subset(cache.shift != "far"), ["gl_mcm"], shifts=["semantic", "far"], n_permutations=1, progress=False)

@@ -62,19 +62,24 @@ def _check_labels(labels, shift, n_classes):
         raise ValueError(f"labels and shift disagree: rows {id_without_class[:5].tolist()} have shift 'id' but label -1; ID images need their class")
 
 # %% ../../nbs/20_cache.ipynb
+def _check_lengths(X:np.ndarray, # (N, d) embeddings
+                   name:str): # the field they come from
+    "Raise, naming the rows, unless every row of `X` can be L2-normalised."
+    short = np.flatnonzero(np.linalg.norm(X.astype(np.float64), axis=1) < MIN_NORM)
+    if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length and cannot be L2-normalised")
+
 def _check_directions(E:np.ndarray, # (N, d) image embeddings
                       T:np.ndarray): # (C, d) text embeddings
     "Raise unless every row can be normalised and no two classes share a text direction (the detector could not tell them apart)."
-    for name, X in (("image_embeddings", E), ("text_embeddings", T)):
-        short = np.flatnonzero(np.linalg.norm(X.astype(np.float64), axis=1) < MIN_NORM)
-        if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length and cannot be L2-normalised")
+    for name, X in (("image_embeddings", E), ("text_embeddings", T)): _check_lengths(X, name)
     U = T.astype(np.float64); U = U / np.linalg.norm(U, axis=1, keepdims=True)
     i, j = np.triu_indices(len(U), 1)
     same = np.flatnonzero((U[i] * U[j]).sum(1) > 1 - 1e-12)
     if len(same): raise ValueError(f"text_embeddings rows {i[same[0]]} and {j[same[0]]} point the same way: two classes with one text embedding cannot be told apart")
 
 def _check_patches(local:np.ndarray): # (N, L, d) local embeddings
-    "Raise unless every patch can be normalised, naming the images, and their patches, that have a zero-length one."
+    "Raise unless there are patches and every one can be normalised, naming the images, and their patches, that have a zero-length one."
+    if local.shape[1] == 0: raise ValueError(f"local_embeddings hold no patch (shape {local.shape}); leave local_embeddings out instead")
     short = np.concatenate([np.linalg.norm(local[i:i + 256].astype(np.float64), axis=2) < MIN_NORM  # in chunks: all of it in float64 may not fit
                             for i in range(0, len(local), 256)])
     images = np.flatnonzero(short.any(1))
@@ -102,13 +107,15 @@ def _check_prompt_sets(embeddings, prompts, classes, sets, C:int, d:int):
     return dict(prompt_embeddings=P, prompts=texts, prompt_class=cls.astype(np.int64), prompt_set=names)
 
 def _check_fit(embeddings, labels, C:int, d:int):
-    "The fit split validated: both None, or (F, d) finite embeddings with F class labels in [0, C)."
+    "The fit split validated: both None, or (F, d) finite embeddings, F >= 1 and none of zero length, with F class labels in [0, C)."
     if embeddings is None and labels is None: return dict(fit_embeddings=None, fit_labels=None)
     if embeddings is None or labels is None: raise ValueError("fit_embeddings and fit_labels come together: give both or neither")
     F = _floats(embeddings, "fit_embeddings", 2)
     if F.shape[1] != d: raise ValueError(f"fit_embeddings have dimension {F.shape[1]}, but image_embeddings have {d}")
+    if len(F) == 0: raise ValueError("fit_embeddings hold no image; leave the fit split out instead (a held-out split of the ID images stands in)")
+    _check_lengths(F, "fit_embeddings")
     y = _array(labels, "fit_labels")
-    if y.shape != (len(F),) or (len(y) and y.dtype.kind not in "iu"): raise ValueError(f"fit_labels must be {len(F)} integer classes, got {y.dtype} {y.shape}")
+    if y.shape != (len(F),) or y.dtype.kind not in "iu": raise ValueError(f"fit_labels must be {len(F)} integer classes, got {y.dtype} {y.shape}")
     if ((y < 0) | (y >= C)).any(): raise ValueError(f"fit_labels must be ID classes in [0, {C}): fit images are labelled ID images")
     return dict(fit_embeddings=F, fit_labels=y.astype(np.int64))
 
@@ -370,6 +377,8 @@ def _load(cls,
     except ValueError as e: raise CorruptCacheError(f"{path}: header is not valid JSON ({e})") from e
     if not isinstance(h, dict) or h.get("format") != CACHE_FORMAT:
         raise CorruptCacheError(f"{path}: unknown format {h.get('format') if isinstance(h, dict) else h!r}, expected {CACHE_FORMAT!r}")
+    missing = [k for k in ("class_names", "temperature", "metadata") if k not in h]
+    if missing: raise CorruptCacheError(f"{path}: invalid cache: the header lacks the field {missing[0]!r}")
     try: return cls(class_names=h["class_names"], temperature=h["temperature"], metadata=h["metadata"], **arrays)
     except (KeyError, TypeError, ValueError) as e: raise CorruptCacheError(f"{path}: invalid cache: {e}") from e
 EmbeddingCache.load = classmethod(_load)

@@ -308,8 +308,9 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
         runnable, skipped = _runnable(prepared, variants, why)
         streams, no_stream = _streams(test, shifts, n_permutations=int(n_permutations), seed=seed, rho=rho, order=order,
                                       warmup=warmup, sample_seed=seed)
+        if not streams: raise ValueError("nothing to evaluate: no shift has a stream: " + "; ".join(no_stream))  # the cause, not the methods
+        if not runnable: raise ValueError("nothing to evaluate: no method can run: " + "; ".join(skipped))
         skipped += no_stream
-        if not runnable or not streams: raise ValueError("nothing to evaluate: skipped " + "; ".join(skipped))
         if skipped: warnings.warn("skipped " + "; ".join(skipped), SkippedWarning, stacklevel=2)
         desc = "evaluate" + (f" ρ={rho}" if rho is not None else "") + (f" {order}" if order != "shuffled" else "")
         rows = _measure(prepared, runnable, streams, tqdm(total=len(streams) * len(runnable), desc=desc, disable=not progress), fpr95_convention)
@@ -454,7 +455,7 @@ def _run_experiment(name:str, caches:list, args):
     e, run = EXPERIMENTS[name], experiment(name)
     if e.takes == "world":
         if not args.simulated_run: return None
-        return run(SyntheticWorld.preset(args.simulated or "default", seed=0), **_options(run, args))
+        return run(SyntheticWorld.preset(args.simulated, seed=0), **_options(run, args))
     if e.takes == "caches": return run(dict(caches), **_options(run, args))
     results = [run(cache, **_options(run, args)) for _, cache in caches]
     if len(caches) == 1: return results[0]
@@ -477,26 +478,35 @@ def _paths(name:str, out:Path):
         return {t: out.with_name(f"{out.stem}_{name}_{t}.csv") for t in tables}
     return {None: out if name == "main_table" else out.with_name(f"{out.stem}_{name}.csv")}
 
+def _same_file(a, b): # two paths
+    "Whether both exist and are one file, by any name: a symbolic or a hard link."
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
 def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
     "Raise unless every file the run will write can be written and none of them is a cache it reads."
+    if not out: raise ValueError("--out is empty: give the file of the main table, such as results.csv")
     if out.endswith(("/", os.sep)): raise ValueError(f"--out {out} names a folder; give the file of the main table, such as {out}results.csv")
     stem = Path(out)
     files = [p for n in names if simulated_run or EXPERIMENTS[n].takes != "world" for p in _paths(n, stem).values()]
     for path in files + [stem.with_name(f"{stem.stem}_protocol.json")]:
-        read = [c for c in caches if Path(c).resolve() == path.resolve()]
+        read = [c for c in caches if Path(c).resolve() == path.resolve() or _same_file(c, path)]
         if read and path == stem: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
         if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
         _check_writable(path)
+
+def _write_csv(df, path:Path): # a table; its file
+    "Write `df` to `path` whole or not at all: a failed write keeps the old file, and a hard link to `path` keeps its content."
+    replace_atomically(path, lambda f: df.to_csv(f, index=False))
 
 def _write(name:str, result, out:Path, simulated:str, permutations:int):
     "Write one experiment's result next to `out` and print its summary, headed by `simulated` (' (simulated)', or which caches are, or '')."
     label = f"\n{name}{simulated}: "
     if EXPERIMENTS[name].returns == "tables":
         for table, path in _paths(name, out).items():
-            df = getattr(result, table); df.to_csv(path, index=False); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
+            df = getattr(result, table); _write_csv(df, path); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
         return
     path = _paths(name, out)[None]
-    result.to_csv(path, index=False)
+    _write_csv(result, path)
     if EXPERIMENTS[name].returns == "rows": print(f"{label}first rows\n{result.head(10).to_string()}")
     else: print(f"{label}mean ± std over {permutations} stream order{'s' if permutations > 1 else ''}, %\n{summary_table(summarize(result)).to_string()}")
     print(f"wrote {path}")
@@ -527,17 +537,22 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     p = _parser()
     args = p.parse_args(sys.argv[2:] if argv is None else argv)
     args.given = _given(args)
-    if args.caches and args.simulated: p.error("give cache files or --simulated, not both")
+    if args.caches and args.simulated is not None: p.error("give cache files or --simulated, not both")
     if args.permutations < 1: p.error(f"--permutations must be at least 1, got {args.permutations}")
     args.simulated_run = not args.caches
     try:
         if not 0 <= args.seed < 2**32: raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {args.seed}")  # numpy's and scikit-learn's range
         args.protocol = replace(PAPER_PROTOCOL, rho=_rho(args.rho), n_permutations=args.permutations, seed=args.seed, fpr95_convention=args.fpr95)
+        if args.simulated is None: args.simulated = "default"
+        elif args.simulated not in PRESETS: raise ValueError(f"--simulated must name a preset, one of {list(PRESETS)}, got {args.simulated!r}")
         names = _experiment_names(args.experiments)
+        world = [n for n in names if EXPERIMENTS[n].takes == "world"]
+        if world and args.caches and args.experiments.strip() != "all":  # `all` skips it with a warning; named, it fails
+            raise ValueError(f"{world[0]} sweeps synthetic worlds, so it runs only without cache files: run it without them (--simulated PRESET) or leave it out")
         _check_outputs(args.out, names, args.caches, args.simulated_run)  # every file, before the computation, not after it
         _check_distinct([(path, Path(path).resolve()) for path in args.caches], "file")
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
-                  else [(f"simulated:{args.simulated or 'default'}", simulated_cache(args.simulated or "default"))])
+                  else [(f"simulated:{args.simulated}", simulated_cache(args.simulated))])
         _check_distinct([(path, c.content_hash()) for path, c in caches], "content")
     except (ValueError, OSError) as e:
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)

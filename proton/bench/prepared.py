@@ -202,10 +202,12 @@ def _read_split(root:Path, on_disk:list):
     path = root / SPLIT_FILE
     if not path.is_file(): return None
     with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's "CSV UTF-8" begins with a byte order mark
-        reader = csv.DictReader(f)
-        missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
-        if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
-        rows = list(reader)
+        try:
+            reader = csv.DictReader(f)
+            missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
+            if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
+            rows = list(reader)
+        except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     for r in rows:
         if tuple(Path(r["file"]).parts[:2]) != (r["shift"], r["label"]) or len(Path(r["file"]).parts) != 3:
             raise ValueError(f"{path}: row {r['file']!r} says shift {r['shift']!r} and label {r['label']!r}, but the file is not in {r['shift']}/{r['label']}/")

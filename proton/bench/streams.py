@@ -59,6 +59,13 @@ def _arrange(id_rows:np.ndarray, ood_rows:np.ndarray, order:str, warmup:int, rng
     return np.r_[id_rows, ood_rows][np.argsort(keys, kind="stable")]
 
 # %% ../../nbs/21_streams.ipynb
+def _seed(value, # a seed, Python, numpy or 0-d torch
+          name:str="seed"): # what it is, used in error messages
+    "`value` as an int, or a `ValueError` unless it is a non-negative integer."
+    s = plain_number(value, whole=True)
+    if s is None or s < 0: raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return s
+
 def make_stream(cache:EmbeddingCache, # the embedding cache the stream draws from
                 shift:str, # the OOD shift of the stream: "semantic", "covariate" or "far"
                 rho:float|None=None, # ID fraction in (0, 1); None keeps every ID and `shift` image
@@ -68,13 +75,12 @@ def make_stream(cache:EmbeddingCache, # the embedding cache the stream draws fro
                 sample_seed:int=0): # seed of the subsampling to `rho`
     "A stream of the ID images and the `shift` images of `cache`: indices in stream order and OOD indicator."
     if order not in ORDERS: raise ValueError(f"unknown order {order!r}: choose one of {ORDERS}")
-    for name, v in (("seed", seed), ("sample_seed", sample_seed)):
-        if plain_number(v, whole=True) is None or v < 0: raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-    id_rows, ood_rows = _at_fraction(*_members(cache, shift), rho, int(sample_seed))
+    seed, sample_seed = _seed(seed), _seed(sample_seed, "sample_seed")
+    id_rows, ood_rows = _at_fraction(*_members(cache, shift), rho, sample_seed)
     w = plain_number(warmup, whole=True)
     if order == "id_first" and (w is None or not 0 <= w <= len(id_rows)):
         raise ValueError(f"warmup must be an integer in [0, {len(id_rows)}] (the ID images of the stream), got {warmup!r}")
-    indices = _arrange(id_rows, ood_rows, order, w or 0, np.random.default_rng(int(seed))).astype(np.int64)
+    indices = _arrange(id_rows, ood_rows, order, w or 0, np.random.default_rng(seed)).astype(np.int64)
     return Stream(indices, cache.shift[indices] != "id")
 
 # %% ../../nbs/21_streams.ipynb
@@ -87,9 +93,9 @@ def stream_permutations(cache:EmbeddingCache, # the embedding cache the streams 
                         warmup:int=50, # leading ID images, for order="id_first" only
                         sample_seed:int=0): # seed of the subsampling to `rho`, shared by all orders
     "`n_permutations` orders of the same stream, as a list of (seed, `Stream`) pairs."
-    if int(n_permutations) != n_permutations or n_permutations < 1:
-        raise ValueError(f"n_permutations must be a positive integer, got {n_permutations}")
-    return [(s, make_stream(cache, shift, rho, order, s, warmup, sample_seed)) for s in range(seed, seed + int(n_permutations))]
+    n, seed = plain_number(n_permutations, whole=True), _seed(seed)
+    if n is None or n < 1: raise ValueError(f"n_permutations must be a positive integer, got {n_permutations!r}")
+    return [(s, make_stream(cache, shift, rho, order, s, warmup, sample_seed)) for s in range(seed, seed + n)]
 
 # %% ../../nbs/21_streams.ipynb
 def misroute(cache:EmbeddingCache, # the images to route
@@ -97,10 +103,11 @@ def misroute(cache:EmbeddingCache, # the images to route
              seed:int=0): # seed of the choice of images and of their wrong classes
     "(N,) class each image is routed to: its zero-shot class, but a random other class for round(f·N) random images."
     check_cache(cache)
-    if not 0 <= fraction <= 1: raise ValueError(f"the misrouted share must be in [0, 1], got {fraction}")
+    f, seed = plain_number(fraction), _seed(seed)
+    if f is None or not 0 <= f <= 1: raise ValueError(f"the misrouted share must be in [0, 1], got {fraction!r}")
     if cache.n_classes < 2: raise ValueError("misrouting needs at least two classes, the cache has one")
     routed = cache.predicted().astype(np.int64)
     rng = np.random.default_rng(seed)
-    rows = rng.permutation(len(cache))[:round(fraction * len(cache))]
+    rows = rng.permutation(len(cache))[:round(f * len(cache))]
     routed[rows] = (routed[rows] + rng.integers(1, cache.n_classes, len(rows))) % cache.n_classes  # uniform over the others
     return routed

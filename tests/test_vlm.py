@@ -146,6 +146,30 @@ def test_pickled_objects_are_refused(clip, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("wrap", [lambda sd: {"model": sd, "epoch": 1}, lambda sd: {"model_state_dict": sd, "optimizer": {}},
+                                  lambda sd: {"module": sd}, lambda sd: {"epoch": 1, "model": {"module." + k: v for k, v in sd.items()}}])
+def test_the_common_checkpoint_layouts_are_unwrapped(wrap, tmp_path):
+    "{'model': sd, 'epoch': 1} and {'model_state_dict': sd} were refused as having 'entries that are not tensors'."
+    sd = dict(torch.nn.Linear(2, 3).state_dict())
+    torch.save(wrap(sd), tmp_path / "w.pt")
+    loaded = load_weights(tmp_path / "w.pt")
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("name", ["W.SAFETENSORS", "w.pt"])
+def test_a_safetensors_file_is_known_by_its_header_not_only_its_suffix(name, tmp_path):
+    "A safetensors file named W.SAFETENSORS or w.pt was read as a torch file: 'not a torch file of tensors (UnpicklingError)'."
+    from safetensors.torch import save_file
+    sd = dict(torch.nn.Linear(2, 3).state_dict())
+    save_file(sd, tmp_path / name)
+    assert load_weights(tmp_path / name).keys() == sd.keys()
+
+
+def test_a_folder_given_as_a_weights_file_is_called_a_folder(tmp_path):
+    "A folder was reported as 'no checkpoint file at <folder>', though the path exists."
+    with pytest.raises(IsADirectoryError, match=f"{re.escape(str(tmp_path))} is a folder, not a weights file"): load_weights(tmp_path)
+
+
 def test_open_clip_strict_loading_names_keys(clip, tmp_path):
     sd = dict(clip.model.state_dict())
     del sd["visual.proj"]

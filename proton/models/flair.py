@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .vlm import VLM, _reachable, as_rgb_image, load_state_strict, load_weights, temperature_from_logit_scale
+from .vlm import VLM, _reachable, as_rgb_image, load_state_strict, load_weights, temperature_from_logit_scale, unwrap_state
 
 # %% ../../nbs/41_flair.ipynb
 FLAIR_TEMPLATE = "A fundus photograph of {}"  # upstream's caption "A fundus photograph of [CLS]", without a full stop
@@ -240,9 +240,7 @@ def load_flair(checkpoint:str|os.PathLike|dict|None=None, # upstream's flair_res
     tokenizer = load_flair_tokenizer(tokenizer)
     if checkpoint is None: checkpoint = _fetch_flair_weights(Path(cache_dir) if cache_dir else _default_cache_dir())
     what = "FLAIR state dict" if isinstance(checkpoint, dict) else f"FLAIR checkpoint {checkpoint}"
-    state = dict(checkpoint) if isinstance(checkpoint, dict) else load_weights(checkpoint)
-    not_tensors = [k for k, v in state.items() if not isinstance(v, Tensor)]
-    if not_tensors: raise ValueError(f"{what} has entries that are not tensors: {not_tensors[:5]}")
+    state = unwrap_state(checkpoint, what) if isinstance(checkpoint, dict) else load_weights(checkpoint)
     with torch.device("meta"): shell = FlairNet()  # no memory and no initialisation: a wrong file is refused in a blink
     own = shell.state_dict()
     state = {k: v for k, v in state.items() if k in own or k not in FLAIR_OPTIONAL_KEYS}

@@ -177,6 +177,34 @@ def test_open_clip_strict_loading_names_keys(clip, tmp_path):
     with pytest.raises(ValueError, match=r"missing keys \['visual.proj'\]"): load_vlm(f"open_clip:{ARCH}", checkpoint=tmp_path / "partial.pt")
 
 
+def _tokenizer_loader(backend):
+    from proton.models.flair import load_flair_tokenizer
+    from proton.models.unimed import load_bert_tokenizer
+    return dict(flair=load_flair_tokenizer, unimed=load_bert_tokenizer)[backend]
+
+
+@pytest.mark.parametrize("content,problem", [(b"", r"lacks \[PAD\], \[UNK\], \[CLS\], \[SEP\]"), (b"a\nb\nfundus\n", r"lacks \[PAD\], \[UNK\]"),
+                                             (b"[UNK]\n[CLS]\n[SEP]\na\n", r"lacks \[PAD\],"), (b"[PAD]\n[CLS]\n[SEP]\na\n", r"lacks \[UNK\],"),
+                                             ("[PAD]\n[UNK]\n[CLS]\n[SEP]\ncaf\xe9\n".encode("latin-1"), "is not UTF-8"),
+                                             (bytes(range(256)) * 20, "is not UTF-8")])
+@pytest.mark.parametrize("backend", ["flair", "unimed"])
+def test_an_empty_or_corrupt_vocabulary_is_named_when_it_is_read(backend, content, problem, tmp_path):
+    "An empty vocab.txt, or one without [UNK], was accepted and failed at the first prompt with a bare 'WordPiece error: Missing [UNK] token'; non-UTF-8 with a bare Exception."
+    (tmp_path / "vocab.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'vocab.txt'))} {problem}") as e: _tokenizer_loader(backend)(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["flair", "unimed"])
+def test_a_vocabulary_file_of_another_name_is_refused_not_swapped_for_the_vocab_txt_beside_it(backend, tmp_path):
+    "Given bio_clinical_vocab.txt, FLAIR's tokenizer read the vocab.txt in the same folder: another vocabulary, silently."
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nnormal\n")
+    (tmp_path / "bio_clinical_vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nglaucoma\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / 'bio_clinical_vocab.txt'))} is not named vocab.txt"):
+        _tokenizer_loader(backend)(tmp_path / "bio_clinical_vocab.txt")
+    assert _tokenizer_loader(backend)(tmp_path / "vocab.txt").convert_ids_to_tokens(4) == "normal"
+
+
 def _unimed_checkpoint(path, vlm, edit=lambda sd: sd):
     "Save `vlm`'s weights as the authors' training code does: wrapped, with a DistributedDataParallel prefix."
     sd = edit({"module." + k: v for k, v in vlm.model.state_dict().items()})

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .vlm import VLM, _reachable, as_rgb_image, load_state_strict, load_weights, temperature_from_logit_scale, unwrap_state
+from .vlm import VLM, _reachable, as_rgb_image, load_bert_vocab, load_state_strict, load_weights, temperature_from_logit_scale, unwrap_state
 
 # %% ../../nbs/41_flair.ipynb
 FLAIR_TEMPLATE = "A fundus photograph of {}"  # upstream's caption "A fundus photograph of [CLS]", without a full stop
@@ -157,10 +157,7 @@ def load_flair_tokenizer(tokenizer=None): # a folder with vocab.txt, the vocab.t
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not callable(tokenizer): raise ValueError(f"tokenizer must be a path or a transformers tokenizer, got {type(tokenizer).__name__}")
         return tokenizer
-    if tokenizer is None: folder = _vocab_folder()
-    else: folder = Path(tokenizer).parent if Path(tokenizer).is_file() else Path(tokenizer)
-    if not (folder / "vocab.txt").is_file(): raise FileNotFoundError(f"no vocab.txt in {folder}: FLAIR needs Bio_ClinicalBERT's vocabulary")
-    return _vlm_extra("transformers").BertTokenizer.from_pretrained(str(folder), do_lower_case=True)
+    return load_bert_vocab(_vocab_folder() if tokenizer is None else tokenizer, "FLAIR needs Bio_ClinicalBERT's vocabulary")
 
 # %% ../../nbs/41_flair.ipynb
 class FLAIR(VLM):

@@ -12,12 +12,11 @@ import math
 import os
 import re
 from dataclasses import dataclass, asdict
-from pathlib import Path
 
 import torch
 from torch import nn, Tensor
 
-from .vlm import VLM, as_rgb_image, load_weights, load_state_strict, temperature_from_logit_scale, vit_patch_features
+from .vlm import VLM, as_rgb_image, load_bert_vocab, load_weights, load_state_strict, temperature_from_logit_scale, vit_patch_features
 
 # %% ../../nbs/42_unimed.ipynb
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # per-channel mean of OpenAI CLIP's training images
@@ -83,11 +82,7 @@ TOKENIZER_HELP = ("UniMed-CLIP needs the BiomedBERT vocabulary: pass tokenizer= 
 def load_bert_tokenizer(path:str|os.PathLike|None): # folder holding vocab.txt, or the vocab.txt file
     "A lower-casing WordPiece tokenizer read from a local vocab.txt."
     if path is None: raise ValueError(TOKENIZER_HELP)
-    path = Path(path)
-    folder = path.parent if path.name == "vocab.txt" else path
-    if not (folder / "vocab.txt").is_file(): raise FileNotFoundError(f"no vocab.txt in {folder}. {TOKENIZER_HELP}")
-    from transformers import BertTokenizer
-    return BertTokenizer.from_pretrained(str(folder), local_files_only=True, do_lower_case=True)
+    return load_bert_vocab(path, TOKENIZER_HELP)
 
 def clean_prompt(text:str): # a prompt
     "`text` repaired by ftfy, HTML entities decoded and whitespace collapsed, as UniMed-CLIP's tokenizer does."

@@ -177,6 +177,57 @@ def test_open_clip_strict_loading_names_keys(clip, tmp_path):
     with pytest.raises(ValueError, match=r"missing keys \['visual.proj'\]"): load_vlm(f"open_clip:{ARCH}", checkpoint=tmp_path / "partial.pt")
 
 
+def _snapshot(folder, weights=None, preprocess=None):
+    "A folder shaped like a Hugging Face open_clip snapshot of ARCH; `weights(folder)` writes its weights file."
+    import json
+    import open_clip
+    folder.mkdir()
+    (folder / "open_clip_config.json").write_text(json.dumps(dict(model_cfg=open_clip.get_model_config(ARCH), preprocess_cfg=preprocess or {})))
+    if weights: weights(folder)
+    return folder
+
+
+def test_a_snapshot_folder_loads_as_open_clip_itself_loads_it(clip, tmp_path):
+    "The folder's config builds the model and its preprocessing; its weights give the embeddings open_clip's own loader gives."
+    import open_clip
+    from safetensors.torch import save_file
+    from proton.models.vlm import OpenClipVLM
+    sd = {k: v.contiguous() for k, v in clip.model.state_dict().items()}
+    folder = _snapshot(tmp_path / "snap", lambda d: save_file(sd, d / "open_clip_model.safetensors"), dict(mean=[.5, .5, .5], std=[.25, .25, .25]))
+    (folder / "model.safetensors").write_bytes(b"not the file open_clip picks")
+    model, _, transform = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    theirs = OpenClipVLM(model, transform, open_clip.get_tokenizer(f"local-dir:{folder}"), "theirs")
+    for ours in (load_vlm("quiltnet", folder), load_vlm(f"open_clip:{ARCH}/{folder}")):
+        assert torch.equal(ours.encode_images(PHOTOS), theirs.encode_images(PHOTOS))
+        assert torch.equal(ours.encode_text(["a cat", "a dog"]), theirs.encode_text(["a cat", "a dog"]))
+    assert not torch.equal(theirs.encode_images(PHOTOS), clip.encode_images(PHOTOS))  # the folder's own normalisation was used
+
+
+def _truncated(folder, sd):
+    from safetensors.torch import save_file
+    save_file(sd, folder / "open_clip_model.safetensors")
+    data = (folder / "open_clip_model.safetensors").read_bytes()
+    (folder / "open_clip_model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", r"open_clip weights .*snap/open_clip_pytorch_model.bin does not match the model: 1 missing keys \['visual.proj'\]"),
+    ("empty", r"open_clip weights .*snap/open_clip_pytorch_model.bin does not match the model: \d+ missing keys"),
+    ("pickled", r"refusing to load .*snap/open_clip_pytorch_model.bin as model weights: it holds a pickled open_clip.model.CLIP object"),
+    ("truncated", r".*snap/open_clip_model.safetensors is not a valid safetensors file")])
+def test_a_snapshot_folder_with_bad_weights_is_refused_in_one_line_naming_the_file(clip, tmp_path, case, message):
+    "Snapshot folders went through open_clip's own loader: a RuntimeError naming no file, StopIteration for an empty dict, an UnpicklingError advising to unpickle, a SafetensorError."
+    sd = dict(clip.model.state_dict())
+    write = dict(missing=lambda d: torch.save({k: v for k, v in sd.items() if k != "visual.proj"}, d / "open_clip_pytorch_model.bin"),
+                 empty=lambda d: torch.save({}, d / "open_clip_pytorch_model.bin"),
+                 pickled=lambda d: torch.save(clip.model, d / "open_clip_pytorch_model.bin"),
+                 truncated=lambda d: _truncated(d, {k: v.contiguous() for k, v in sd.items()}))[case]
+    folder = _snapshot(tmp_path / "snap", write)
+    for name in ("quiltnet", f"open_clip:{ARCH}/{folder}"):
+        with pytest.raises(ValueError, match=message) as e: load_vlm(name, folder if name == "quiltnet" else None)
+        assert "\n" not in str(e.value)
+
+
 def _tokenizer_loader(backend):
     from proton.models.flair import load_flair_tokenizer
     from proton.models.unimed import load_bert_tokenizer

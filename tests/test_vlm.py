@@ -313,6 +313,40 @@ def test_hub_weights_neither_cached_nor_reachable_are_named_at_once(monkeypatch,
     assert "Retry" not in capfd.readouterr().err
 
 
+def test_random_unimed_weights_are_asked_for_as_its_own_error_advises(vocab):
+    "load_unimed says 'pass checkpoint= ... or 'none' for random weights', which check_vlm (so load_vlm and the command line) refused as a missing path."
+    from proton.models import check_vlm
+    assert check_vlm("unimed-clip", "none", tokenizer=vocab) == "unimed-clip"
+    assert isinstance(load_vlm("unimed", "none", tokenizer=vocab, config=SMALL), UniMedVLM)
+
+
+CHECKED = {  # what check_vlm passed and the loader then refused: (args, kwargs) given tmp_path, and the error
+    "a mistyped open_clip tag": (lambda t: (("open_clip:ViT-B-32/laion2b_typo",), {}), ValueError, "unknown pretrained tag 'laion2b_typo' for open_clip's ViT-B-32"),
+    "an open_clip weights path with nothing there": (lambda t: (("open_clip:ViT-S-32/none/x",), {}), FileNotFoundError, "no checkpoint file or folder at none/x"),
+    "unimed-clip without a checkpoint": (lambda t: (("unimed-clip",), dict(tokenizer=t / "ok")), ValueError, "pass checkpoint= the UniMed-CLIP weights"),
+    "unimed-clip without a tokenizer": (lambda t: (("unimed-clip", "none"), {}), ValueError, "UniMed-CLIP needs the BiomedBERT vocabulary"),
+    "unimed-clip with a folder without vocab.txt": (lambda t: (("unimed-clip", "none"), dict(tokenizer=t)), FileNotFoundError, "no vocab.txt in"),
+    "unimed-clip with an empty vocab.txt": (lambda t: (("unimed-clip", t / "w.pt"), dict(tokenizer=t / "empty")), ValueError, r"empty/vocab.txt lacks \[PAD\]"),
+    "flair with a folder without vocab.txt": (lambda t: (("flair", t / "w.pt"), dict(tokenizer=t / "nope")), FileNotFoundError, "no vocab.txt in"),
+    "flair with a corrupt vocab.txt": (lambda t: (("flair", t / "w.pt"), dict(tokenizer=t / "corrupt")), ValueError, "corrupt/vocab.txt is not UTF-8"),
+    "flair with a folder as its weights file": (lambda t: (("flair", t), dict(tokenizer=t / "ok")), IsADirectoryError, "is a folder, not a weights file"),
+    "quiltnet with a file": (lambda t: (("quiltnet", t / "w.pt"), {}), ValueError, "quiltnet checkpoint must be a folder"),
+    "quiltnet with a folder that is no snapshot": (lambda t: (("quiltnet", t / "ok"), {}), FileNotFoundError, "without open_clip_config.json")}
+
+
+@pytest.mark.parametrize("case", CHECKED)
+def test_check_vlm_names_what_the_loader_would_refuse(case, tmp_path):
+    "reproduce() runs check_vlm for every domain so that none extracts before a later one fails to load; these passed it and failed at load."
+    from proton.models import check_vlm
+    (tmp_path / "w.pt").write_bytes(b"")
+    for name, content in (("ok", b"[PAD]\n[UNK]\n[CLS]\n[SEP]\n"), ("empty", b""), ("corrupt", bytes(range(256)))):
+        (tmp_path / name).mkdir(); (tmp_path / name / "vocab.txt").write_bytes(content)
+    given, error, message = CHECKED[case]
+    args, kwargs = given(tmp_path)
+    with pytest.raises(error, match=message) as e: check_vlm(*args, **kwargs)
+    assert "\n" not in str(e.value)
+
+
 def test_a_cuda_device_beyond_the_machines_is_named_before_anything_loads(monkeypatch):
     "cuda:3 on a one-GPU machine failed deep in the model's .to() with 'invalid device ordinal'."
     from proton.models import model_device

@@ -7,7 +7,8 @@ __all__ = ['MAX_LOGIT_SCALE', 'STATE_KEYS', 'BERT_SPECIAL_TOKENS', 'SNAPSHOT_WEI
            'to_8_bits', 'as_rgb_image', 'is_dicom', 'dicom_to_8_bits', 'read_image', 'VLM', 'pixels_to_float',
            'class_prompts', 'prompt_ensemble', 'checkpoint_file', 'unwrap_state', 'load_weights', 'load_state_strict',
            'check_vocab', 'load_bert_vocab', 'OpenClipVLM', 'vit_patch_features', 'snapshot_weights', 'load_open_clip',
-           'load_quiltnet', 'check_open_clip_spec', 'load_open_clip_spec', 'spec_weights']
+           'check_local_weights', 'check_quiltnet', 'load_quiltnet', 'check_open_clip_spec', 'load_open_clip_spec',
+           'spec_weights']
 
 # %% ../../nbs/40_vlm.ipynb
 import logging
@@ -247,7 +248,7 @@ def checkpoint_file(path:str|os.PathLike): # what was given as a weights file
     "`path` as a `Path`, if it is a file: one line for a folder, or for nothing there."
     path = Path(path)
     if path.is_dir(): raise IsADirectoryError(f"{path} is a folder, not a weights file (.safetensors, .pt, .pth or .bin)")
-    if not path.is_file(): raise FileNotFoundError(f"no checkpoint file at {path}")
+    if not path.is_file(): raise FileNotFoundError(f"no checkpoint file or folder at {path}")
     return path
 
 def _is_safetensors(path:Path): # a file
@@ -437,13 +438,23 @@ def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-h
 # %% ../../nbs/40_vlm.ipynb
 QUILTNET = "hf-hub:wisdomik/QuiltNet-B-32"
 
+def check_local_weights(path:str|os.PathLike): # a weights file, or a snapshot folder
+    "The weights file that `path` is or holds (`snapshot_weights`): one line naming what is not there."
+    return snapshot_weights(path) if Path(path).is_dir() else checkpoint_file(path)
+
+def check_quiltnet(checkpoint:str|os.PathLike|None=None): # as for `load_quiltnet`
+    "One line naming what `load_quiltnet` would refuse in `checkpoint`, before anything loads."
+    if checkpoint is None: return
+    if Path(checkpoint).is_file():
+        raise ValueError(f"quiltnet checkpoint must be a folder holding its Hugging Face snapshot (open_clip_config.json and weights), "
+                         f"got {str(checkpoint)!r}; for a bare weights file name the architecture: 'open_clip:<arch>/<file>'")
+    check_local_weights(checkpoint)
+
 def load_quiltnet(checkpoint:str|os.PathLike|None=None, # a folder holding QuiltNet's Hugging Face snapshot; None: download it
                   device="cpu", # where the model runs
                   **kwargs): # passed on to `load_open_clip`
     "QuiltNet, an open_clip ViT-B/32 trained on histopathology."
-    if checkpoint is not None and not Path(checkpoint).is_dir():
-        raise ValueError(f"quiltnet checkpoint must be a folder holding its Hugging Face snapshot (open_clip_config.json and weights), "
-                         f"got {str(checkpoint)!r}; for a bare weights file name the architecture: 'open_clip:<arch>/<file>'")
+    check_quiltnet(checkpoint)
     return load_open_clip(QUILTNET, checkpoint, device, name="quiltnet", **kwargs)
 
 def _spec_parts(name:str): # "open_clip:<arch>/<pretrained>", or "open_clip:hf-hub:<org>/<repo>"
@@ -456,6 +467,7 @@ def check_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>"
     "(architecture, weights or None) of an open_clip name, once both are found fit: one line naming what is not, before anything loads."
     arch, pretrained = _spec_parts(name)
     if not arch: raise ValueError(f"no architecture in {name!r}; expected 'open_clip:<arch>/<pretrained>'")
+    if checkpoint is not None: check_local_weights(checkpoint)
     if pretrained == "" and checkpoint is None and not arch.startswith("hf-hub:"):
         raise ValueError(f"{name!r} does not name the weights: give a tag, a file or a folder after the '/', or 'none' for random (seeded) weights")
     if pretrained == "none" and checkpoint is not None:
@@ -463,6 +475,7 @@ def check_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>"
     pretrained = None if pretrained in ("", "none") else pretrained
     if checkpoint is not None and pretrained is not None:
         raise ValueError(f"{name!r} already names weights ({pretrained}); do not also pass checkpoint={str(checkpoint)!r}")
+    local = _names_local_weights(pretrained)
     if not arch.startswith("hf-hub:"):
         try: import open_clip
         except ImportError: raise ImportError('open_clip backends need the vlm extra: pip install "proton-ood[vlm]"') from None
@@ -471,6 +484,11 @@ def check_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>"
             near = [k for k in known if k.lower() == arch.lower()]
             hint = f"did you mean {near[0]!r}?" if near else "e.g. 'ViT-B-32', 'ViT-B-16', 'RN50'"
             raise ValueError(f"unknown open_clip architecture {arch!r} ({hint}); open_clip.list_models() names the {len(known)} it knows")
+        if pretrained is not None and not local and not open_clip.get_pretrained_cfg(arch, pretrained):  # offline: open_clip's own table
+            tags = open_clip.list_pretrained_tags_by_model(arch)
+            hint = f"open_clip.list_pretrained_tags_by_model({arch!r}) names its {len(tags)}, e.g. {', '.join(map(repr, tags[:3]))}" if tags else "open_clip has no weights for it"
+            raise ValueError(f"unknown pretrained tag {pretrained!r} for open_clip's {arch} ({hint}); a local weights file or folder must exist")
+    if local: check_local_weights(pretrained)
     return arch, pretrained
 
 def load_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>", <pretrained> a tag, a file, or none/empty for random weights
@@ -481,7 +499,9 @@ def load_open_clip_spec(name:str, # "open_clip:<arch>/<pretrained>", <pretrained
     arch, pretrained = check_open_clip_spec(name, checkpoint)
     return load_open_clip(arch, pretrained if checkpoint is None else checkpoint, device, name=name, **kwargs)
 
-def spec_weights(name:str): # a model name, as for `load_vlm`
-    "The local weights file or folder that an 'open_clip:<arch>/<file>' name holds; None for a tag, random weights or another model."
+def spec_weights(name:str, # a model name, as for `load_vlm`
+                 checkpoint:str|os.PathLike|None=None): # the checkpoint it is loaded with, as for `load_vlm`
+    "The local weights file or folder a model is loaded from: `checkpoint`, else the one an 'open_clip:<arch>/<file>' name holds; None for 'none' (random weights), a tag or a download."
+    if checkpoint is not None: return None if str(checkpoint) == "none" else checkpoint
     pretrained = _spec_parts(name)[1] if name.startswith("open_clip:") else ""
     return pretrained if pretrained not in ("", "none") and _names_local_weights(pretrained) else None

@@ -74,6 +74,14 @@ def test_a_floating_point_image_file_is_refused_not_clipped(tmp_path, clip):
         with pytest.raises(ValueError, match=r"floating-point image \(PIL mode F, .*scale it to 8 bits"): convert(image)
 
 
+@pytest.mark.parametrize("image", [np.zeros((0, 0, 3), np.uint8), np.zeros((0, 5), np.uint16), Image.new("RGB", (0, 0))], ids=["rgb", "grey16", "pil"])
+def test_an_empty_image_is_named(clip, image):
+    "A 0×0 image gave ZeroDivisionError in FLAIR's preprocessing."
+    from proton.models.flair import flair_preprocess
+    for preprocess in (flair_preprocess, clip.preprocess):
+        with pytest.raises(ValueError, match=r"the image is empty \(\d+×\d+ pixels\)"): preprocess(image)
+
+
 def test_open_clip_attributes(clip):
     assert isinstance(clip, VLM) and clip.name == f"open_clip:{ARCH}/none"
     assert clip.image_size == (224, 224) and clip.device == torch.device("cpu")

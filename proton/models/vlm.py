@@ -47,12 +47,14 @@ def as_rgb_image(image): # a PIL image, or an (H, W), (H, W, 1), (H, W, 3) or (H
     "`image` as an RGB PIL image; wide grey images (16-bit PNG, uint16 arrays) are scaled to 8 bits by their bit depth."
     from PIL import Image
     if isinstance(image, Image.Image):
+        if 0 in image.size: raise ValueError(f"the image is empty ({image.width}×{image.height} pixels)")
         if image.mode.startswith("I"): image = np.asarray(image)  # "I;16", "I": PIL's own conversion would clip them at 255
         elif image.mode == "F": raise ValueError("a floating-point image (PIL mode F, e.g. a 32-bit float TIFF) has no agreed intensity range; "
                                                  "scale it to 8 bits (0..255) first")  # PIL's conversion would clip it, [0, 1] to black
         else: return image.convert("RGB")
     if not isinstance(image, np.ndarray):
         raise ValueError(f"an image must be a PIL image or a uint8 numpy array, got {type(image).__name__}")
+    if image.ndim >= 2 and 0 in image.shape[:2]: raise ValueError(f"the image is empty ({image.shape[1]}×{image.shape[0]} pixels)")
     if image.ndim == 2 and image.dtype.kind in "iu" and image.dtype != np.uint8: image = to_8_bits(image)
     if image.dtype != np.uint8: raise ValueError(f"image arrays must be uint8 (or grey uint16), got {image.dtype}; scale them to 0..255 first")
     if image.ndim == 3 and image.shape[2] == 1: image = image[..., 0]

@@ -417,6 +417,20 @@ def test_unknown_model(data, tmp_path, capsys):
     assert not (tmp_path / "c.npz").exists()
 
 
+def test_random_unimed_weights_from_the_command_line(data, tmp_path, monkeypatch):
+    "--checkpoint none, as load_unimed's own error advises, was refused: 'no checkpoint file or folder at none'."
+    import functools
+    import proton.models.unimed as unimed
+    from test_vlm import SMALL
+    monkeypatch.setattr(unimed, "load_unimed", functools.partial(unimed.load_unimed, config=SMALL))  # a small model: the same path, in seconds
+    (tmp_path / "vocab").mkdir(); (tmp_path / "vocab" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "normal", "diabetic"]) + "\n")
+    out = tmp_path / "c.npz"
+    assert extract_main(["--model", "unimed-clip", "--checkpoint", "none", "--tokenizer", str(tmp_path / "vocab"), "--data", str(data),
+                         "--out", str(out), "--device", "cpu", "--workers", "0", "--no-progress"]) == 0
+    md = EmbeddingCache.load(out).metadata
+    assert (md["model"], md["checkpoint"], md["checkpoint_sha256"]) == ("unimed-clip", None, None)
+
+
 def test_command_line_errors(data, tmp_path, capsys):
     out = str(tmp_path / "c.npz")
     assert extract_main(["--model", MODEL, "--data", str(tmp_path / "nowhere"), "--out", out]) == 1

@@ -121,6 +121,13 @@ def test_legacy_position_ids_and_state_dict_wrapper_are_accepted(tmp_path, state
     assert torch.equal(vlm.net.state_dict()[key], state[key])
 
 
+def test_a_state_dict_passed_as_a_dict_is_unwrapped_as_a_file_is(state, tok):
+    "load_flair({'state_dict': sd}) was refused as 'not tensors', and a 'module.' prefix was left on every key."
+    key = "text_model.projection_head_text.projection.weight"
+    for wrapped in ({"state_dict": state, "epoch": 1}, {"module." + k: v for k, v in state.items()}):
+        assert torch.equal(load_flair(wrapped, tokenizer=tok).net.state_dict()[key], state[key])
+
+
 def test_pickled_objects_are_refused(tmp_path, tok):
     path = tmp_path / "evil.pth"
     torch.save({"logit_scale": torch.zeros(()), "payload": io.StringIO("x")}, path)

@@ -149,6 +149,17 @@ def test_a_later_domain_that_cannot_load_its_model_stops_the_run_before_the_firs
     assert not list((tmp_path / "report").rglob("*.npz")), "no cache was extracted"
 
 
+def test_a_mistyped_open_clip_tag_stops_the_run_before_the_first_domain_extracts(tmp_path, capsys):
+    "open_clip found the tag unknown only when radiology's turn came, after ophthalmology's extraction."
+    from proton.cli import main
+    for domain in ("ophthalmology", "radiology"): make_domain(tmp_path / "data" / domain, prompt_sets=False)
+    assert main(["reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "report"), "--model", f"ophthalmology={MODEL}",
+                 "--model", "radiology=open_clip:ViT-B-32/laion2b_typo", "--no-progress", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("proton-ood reproduce: error: radiology: unknown pretrained tag 'laion2b_typo' for open_clip's ViT-B-32") and "\n" not in err, err
+    assert not list((tmp_path / "report").rglob("*.npz")), "no cache was extracted"
+
+
 def test_a_cache_made_with_other_weights_or_a_missing_checkpoint_is_refused_before_anything_runs(tmp_path, capsys):
     """An existing cache is reused only with the weights it was made with: another --checkpoint is refused in one line that names
     the domain and both weights, and a checkpoint that does not exist is named, before anything is written."""

@@ -74,6 +74,14 @@ def test_a_floating_point_image_file_is_refused_not_clipped(tmp_path, clip):
         with pytest.raises(ValueError, match=r"floating-point image \(PIL mode F, .*scale it to 8 bits"): convert(image)
 
 
+@pytest.mark.parametrize("image", [np.zeros((0, 0, 3), np.uint8), np.zeros((0, 5), np.uint16), Image.new("RGB", (0, 0))], ids=["rgb", "grey16", "pil"])
+def test_an_empty_image_is_named(clip, image):
+    "A 0×0 image gave ZeroDivisionError in FLAIR's preprocessing."
+    from proton.models.flair import flair_preprocess
+    for preprocess in (flair_preprocess, clip.preprocess):
+        with pytest.raises(ValueError, match=r"the image is empty \(\d+×\d+ pixels\)"): preprocess(image)
+
+
 def test_open_clip_attributes(clip):
     assert isinstance(clip, VLM) and clip.name == f"open_clip:{ARCH}/none"
     assert clip.image_size == (224, 224) and clip.device == torch.device("cpu")
@@ -146,11 +154,114 @@ def test_pickled_objects_are_refused(clip, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("wrap", [lambda sd: {"model": sd, "epoch": 1}, lambda sd: {"model_state_dict": sd, "optimizer": {}},
+                                  lambda sd: {"module": sd}, lambda sd: {"epoch": 1, "model": {"module." + k: v for k, v in sd.items()}}])
+def test_the_common_checkpoint_layouts_are_unwrapped(wrap, tmp_path):
+    "{'model': sd, 'epoch': 1} and {'model_state_dict': sd} were refused as having 'entries that are not tensors'."
+    sd = dict(torch.nn.Linear(2, 3).state_dict())
+    torch.save(wrap(sd), tmp_path / "w.pt")
+    loaded = load_weights(tmp_path / "w.pt")
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("name", ["W.SAFETENSORS", "w.pt"])
+def test_a_safetensors_file_is_known_by_its_header_not_only_its_suffix(name, tmp_path):
+    "A safetensors file named W.SAFETENSORS or w.pt was read as a torch file: 'not a torch file of tensors (UnpicklingError)'."
+    from safetensors.torch import save_file
+    sd = dict(torch.nn.Linear(2, 3).state_dict())
+    save_file(sd, tmp_path / name)
+    assert load_weights(tmp_path / name).keys() == sd.keys()
+
+
+def test_a_folder_given_as_a_weights_file_is_called_a_folder(tmp_path):
+    "A folder was reported as 'no checkpoint file at <folder>', though the path exists."
+    with pytest.raises(IsADirectoryError, match=f"{re.escape(str(tmp_path))} is a folder, not a weights file"): load_weights(tmp_path)
+
+
 def test_open_clip_strict_loading_names_keys(clip, tmp_path):
     sd = dict(clip.model.state_dict())
     del sd["visual.proj"]
     torch.save(sd, tmp_path / "partial.pt")
     with pytest.raises(ValueError, match=r"missing keys \['visual.proj'\]"): load_vlm(f"open_clip:{ARCH}", checkpoint=tmp_path / "partial.pt")
+
+
+def _snapshot(folder, weights=None, preprocess=None):
+    "A folder shaped like a Hugging Face open_clip snapshot of ARCH; `weights(folder)` writes its weights file."
+    import json
+    import open_clip
+    folder.mkdir()
+    (folder / "open_clip_config.json").write_text(json.dumps(dict(model_cfg=open_clip.get_model_config(ARCH), preprocess_cfg=preprocess or {})))
+    if weights: weights(folder)
+    return folder
+
+
+def test_a_snapshot_folder_loads_as_open_clip_itself_loads_it(clip, tmp_path):
+    "The folder's config builds the model and its preprocessing; its weights give the embeddings open_clip's own loader gives."
+    import open_clip
+    from safetensors.torch import save_file
+    from proton.models.vlm import OpenClipVLM
+    sd = {k: v.contiguous() for k, v in clip.model.state_dict().items()}
+    folder = _snapshot(tmp_path / "snap", lambda d: save_file(sd, d / "open_clip_model.safetensors"), dict(mean=[.5, .5, .5], std=[.25, .25, .25]))
+    (folder / "model.safetensors").write_bytes(b"not the file open_clip picks")
+    model, _, transform = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    theirs = OpenClipVLM(model, transform, open_clip.get_tokenizer(f"local-dir:{folder}"), "theirs")
+    for ours in (load_vlm("quiltnet", folder), load_vlm(f"open_clip:{ARCH}/{folder}")):
+        assert torch.equal(ours.encode_images(PHOTOS), theirs.encode_images(PHOTOS))
+        assert torch.equal(ours.encode_text(["a cat", "a dog"]), theirs.encode_text(["a cat", "a dog"]))
+    assert not torch.equal(theirs.encode_images(PHOTOS), clip.encode_images(PHOTOS))  # the folder's own normalisation was used
+
+
+def _truncated(folder, sd):
+    from safetensors.torch import save_file
+    save_file(sd, folder / "open_clip_model.safetensors")
+    data = (folder / "open_clip_model.safetensors").read_bytes()
+    (folder / "open_clip_model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", r"open_clip weights .*snap/open_clip_pytorch_model.bin does not match the model: 1 missing keys \['visual.proj'\]"),
+    ("empty", r"open_clip weights .*snap/open_clip_pytorch_model.bin does not match the model: \d+ missing keys"),
+    ("pickled", r"refusing to load .*snap/open_clip_pytorch_model.bin as model weights: it holds a pickled open_clip.model.CLIP object"),
+    ("truncated", r".*snap/open_clip_model.safetensors is not a valid safetensors file")])
+def test_a_snapshot_folder_with_bad_weights_is_refused_in_one_line_naming_the_file(clip, tmp_path, case, message):
+    "Snapshot folders went through open_clip's own loader: a RuntimeError naming no file, StopIteration for an empty dict, an UnpicklingError advising to unpickle, a SafetensorError."
+    sd = dict(clip.model.state_dict())
+    write = dict(missing=lambda d: torch.save({k: v for k, v in sd.items() if k != "visual.proj"}, d / "open_clip_pytorch_model.bin"),
+                 empty=lambda d: torch.save({}, d / "open_clip_pytorch_model.bin"),
+                 pickled=lambda d: torch.save(clip.model, d / "open_clip_pytorch_model.bin"),
+                 truncated=lambda d: _truncated(d, {k: v.contiguous() for k, v in sd.items()}))[case]
+    folder = _snapshot(tmp_path / "snap", write)
+    for name in ("quiltnet", f"open_clip:{ARCH}/{folder}"):
+        with pytest.raises(ValueError, match=message) as e: load_vlm(name, folder if name == "quiltnet" else None)
+        assert "\n" not in str(e.value)
+
+
+def _tokenizer_loader(backend):
+    from proton.models.flair import load_flair_tokenizer
+    from proton.models.unimed import load_bert_tokenizer
+    return dict(flair=load_flair_tokenizer, unimed=load_bert_tokenizer)[backend]
+
+
+@pytest.mark.parametrize("content,problem", [(b"", r"lacks \[PAD\], \[UNK\], \[CLS\], \[SEP\]"), (b"a\nb\nfundus\n", r"lacks \[PAD\], \[UNK\]"),
+                                             (b"[UNK]\n[CLS]\n[SEP]\na\n", r"lacks \[PAD\],"), (b"[PAD]\n[CLS]\n[SEP]\na\n", r"lacks \[UNK\],"),
+                                             ("[PAD]\n[UNK]\n[CLS]\n[SEP]\ncaf\xe9\n".encode("latin-1"), "is not UTF-8"),
+                                             (bytes(range(256)) * 20, "is not UTF-8")])
+@pytest.mark.parametrize("backend", ["flair", "unimed"])
+def test_an_empty_or_corrupt_vocabulary_is_named_when_it_is_read(backend, content, problem, tmp_path):
+    "An empty vocab.txt, or one without [UNK], was accepted and failed at the first prompt with a bare 'WordPiece error: Missing [UNK] token'; non-UTF-8 with a bare Exception."
+    (tmp_path / "vocab.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'vocab.txt'))} {problem}") as e: _tokenizer_loader(backend)(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["flair", "unimed"])
+def test_a_vocabulary_file_of_another_name_is_refused_not_swapped_for_the_vocab_txt_beside_it(backend, tmp_path):
+    "Given bio_clinical_vocab.txt, FLAIR's tokenizer read the vocab.txt in the same folder: another vocabulary, silently."
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nnormal\n")
+    (tmp_path / "bio_clinical_vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nglaucoma\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / 'bio_clinical_vocab.txt'))} is not named vocab.txt"):
+        _tokenizer_loader(backend)(tmp_path / "bio_clinical_vocab.txt")
+    assert _tokenizer_loader(backend)(tmp_path / "vocab.txt").convert_ids_to_tokens(4) == "normal"
 
 
 def _unimed_checkpoint(path, vlm, edit=lambda sd: sd):
@@ -208,6 +319,40 @@ def test_hub_weights_neither_cached_nor_reachable_are_named_at_once(monkeypatch,
         load_vlm(name)
     assert time.perf_counter() - start < 15
     assert "Retry" not in capfd.readouterr().err
+
+
+def test_random_unimed_weights_are_asked_for_as_its_own_error_advises(vocab):
+    "load_unimed says 'pass checkpoint= ... or 'none' for random weights', which check_vlm (so load_vlm and the command line) refused as a missing path."
+    from proton.models import check_vlm
+    assert check_vlm("unimed-clip", "none", tokenizer=vocab) == "unimed-clip"
+    assert isinstance(load_vlm("unimed", "none", tokenizer=vocab, config=SMALL), UniMedVLM)
+
+
+CHECKED = {  # what check_vlm passed and the loader then refused: (args, kwargs) given tmp_path, and the error
+    "a mistyped open_clip tag": (lambda t: (("open_clip:ViT-B-32/laion2b_typo",), {}), ValueError, "unknown pretrained tag 'laion2b_typo' for open_clip's ViT-B-32"),
+    "an open_clip weights path with nothing there": (lambda t: (("open_clip:ViT-S-32/none/x",), {}), FileNotFoundError, "no checkpoint file or folder at none/x"),
+    "unimed-clip without a checkpoint": (lambda t: (("unimed-clip",), dict(tokenizer=t / "ok")), ValueError, "pass checkpoint= the UniMed-CLIP weights"),
+    "unimed-clip without a tokenizer": (lambda t: (("unimed-clip", "none"), {}), ValueError, "UniMed-CLIP needs the BiomedBERT vocabulary"),
+    "unimed-clip with a folder without vocab.txt": (lambda t: (("unimed-clip", "none"), dict(tokenizer=t)), FileNotFoundError, "no vocab.txt in"),
+    "unimed-clip with an empty vocab.txt": (lambda t: (("unimed-clip", t / "w.pt"), dict(tokenizer=t / "empty")), ValueError, r"empty/vocab.txt lacks \[PAD\]"),
+    "flair with a folder without vocab.txt": (lambda t: (("flair", t / "w.pt"), dict(tokenizer=t / "nope")), FileNotFoundError, "no vocab.txt in"),
+    "flair with a corrupt vocab.txt": (lambda t: (("flair", t / "w.pt"), dict(tokenizer=t / "corrupt")), ValueError, "corrupt/vocab.txt is not UTF-8"),
+    "flair with a folder as its weights file": (lambda t: (("flair", t), dict(tokenizer=t / "ok")), IsADirectoryError, "is a folder, not a weights file"),
+    "quiltnet with a file": (lambda t: (("quiltnet", t / "w.pt"), {}), ValueError, "quiltnet checkpoint must be a folder"),
+    "quiltnet with a folder that is no snapshot": (lambda t: (("quiltnet", t / "ok"), {}), FileNotFoundError, "without open_clip_config.json")}
+
+
+@pytest.mark.parametrize("case", CHECKED)
+def test_check_vlm_names_what_the_loader_would_refuse(case, tmp_path):
+    "reproduce() runs check_vlm for every domain so that none extracts before a later one fails to load; these passed it and failed at load."
+    from proton.models import check_vlm
+    (tmp_path / "w.pt").write_bytes(b"")
+    for name, content in (("ok", b"[PAD]\n[UNK]\n[CLS]\n[SEP]\n"), ("empty", b""), ("corrupt", bytes(range(256)))):
+        (tmp_path / name).mkdir(); (tmp_path / name / "vocab.txt").write_bytes(content)
+    given, error, message = CHECKED[case]
+    args, kwargs = given(tmp_path)
+    with pytest.raises(error, match=message) as e: check_vlm(*args, **kwargs)
+    assert "\n" not in str(e.value)
 
 
 def test_a_cuda_device_beyond_the_machines_is_named_before_anything_loads(monkeypatch):

@@ -724,7 +724,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, share)
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
-    weights = spec_weights(vlm.name) if checkpoint is None else checkpoint  # open_clip:<arch>/<file> names its weights itself
+    weights = spec_weights(vlm.name, checkpoint)  # open_clip:<arch>/<file> names its weights itself
     checkpoint_sha256 = None if weights is None else file_sha256(weights)
     run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
     ranges = shard_ranges(len(folder), shard_size)

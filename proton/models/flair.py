@@ -4,10 +4,10 @@
 
 # %% auto 0
 __all__ = ['FLAIR_TEMPLATE', 'FLAIR_IMAGE_SIZE', 'FLAIR_DIM', 'FLAIR_MAX_TOKENS', 'BIO_CLINICAL_BERT', 'FLAIR_WEIGHTS_FILE',
-           'FLAIR_WEIGHTS_URL', 'FLAIR_TEXT_POOLINGS', 'REPRODUCTION_TEXT_POOLING', 'FLAIR_OPTIONAL_KEYS',
-           'bio_clinical_bert_config', 'FlairProjection', 'FlairVision', 'check_text_pooling', 'FlairText', 'FlairNet',
-           'random_flair', 'flair_preprocess', 'flair_pixels', 'load_flair_tokenizer', 'FLAIR', 'flair_prompt_ensemble',
-           'load_flair']
+           'FLAIR_WEIGHTS_URL', 'FLAIR_TEXT_POOLINGS', 'REPRODUCTION_TEXT_POOLING', 'FLAIR_TOKENIZER_HELP',
+           'FLAIR_OPTIONAL_KEYS', 'bio_clinical_bert_config', 'FlairProjection', 'FlairVision', 'check_text_pooling',
+           'FlairText', 'FlairNet', 'random_flair', 'flair_preprocess', 'flair_pixels', 'load_flair_tokenizer', 'FLAIR',
+           'flair_prompt_ensemble', 'check_flair', 'load_flair']
 
 # %% ../../nbs/41_flair.ipynb
 import importlib
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .vlm import VLM, _reachable, as_rgb_image, load_state_strict, load_weights, temperature_from_logit_scale
+from .vlm import VLM, _reachable, as_rgb_image, check_vocab, checkpoint_file, load_bert_vocab, load_state_strict, load_weights, temperature_from_logit_scale, unwrap_state
 
 # %% ../../nbs/41_flair.ipynb
 FLAIR_TEMPLATE = "A fundus photograph of {}"  # upstream's caption "A fundus photograph of [CLS]", without a full stop
@@ -141,6 +141,8 @@ def flair_pixels(image, # a PIL image, or an (H, W) or (H, W, 3) uint8 array
     return F.pad(torch.from_numpy(x).permute(2, 0, 1), (0, size - w, 0, size - h))
 
 # %% ../../nbs/41_flair.ipynb
+FLAIR_TOKENIZER_HELP = "FLAIR needs Bio_ClinicalBERT's vocabulary"
+
 def _vocab_folder():
     "Folder of Bio_ClinicalBERT's vocab.txt: from the Hugging Face cache, else downloaded."
     hub = _vlm_extra("huggingface_hub")
@@ -157,10 +159,7 @@ def load_flair_tokenizer(tokenizer=None): # a folder with vocab.txt, the vocab.t
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not callable(tokenizer): raise ValueError(f"tokenizer must be a path or a transformers tokenizer, got {type(tokenizer).__name__}")
         return tokenizer
-    if tokenizer is None: folder = _vocab_folder()
-    else: folder = Path(tokenizer).parent if Path(tokenizer).is_file() else Path(tokenizer)
-    if not (folder / "vocab.txt").is_file(): raise FileNotFoundError(f"no vocab.txt in {folder}: FLAIR needs Bio_ClinicalBERT's vocabulary")
-    return _vlm_extra("transformers").BertTokenizer.from_pretrained(str(folder), do_lower_case=True)
+    return load_bert_vocab(_vocab_folder() if tokenizer is None else tokenizer, FLAIR_TOKENIZER_HELP)
 
 # %% ../../nbs/41_flair.ipynb
 class FLAIR(VLM):
@@ -229,6 +228,12 @@ def _fetch_flair_weights(cache_dir:Path): # folder to keep the checkpoint in
     return path
 
 # %% ../../nbs/41_flair.ipynb
+def check_flair(checkpoint:str|os.PathLike|dict|None=None, # as for `load_flair`
+                tokenizer=None): # as for `load_flair`
+    "One line naming what `load_flair` would refuse in a checkpoint path or a tokenizer folder, before anything loads."
+    if isinstance(checkpoint, (str, os.PathLike)): checkpoint_file(checkpoint)
+    if isinstance(tokenizer, (str, os.PathLike)): check_vocab(tokenizer, FLAIR_TOKENIZER_HELP)
+
 def load_flair(checkpoint:str|os.PathLike|dict|None=None, # upstream's flair_resnet.pth, or its state dict; None: cache or download
                device="cpu", # where the model runs
                tokenizer=None, # Bio_ClinicalBERT's tokenizer: a folder with vocab.txt, or a tokenizer; see `load_flair_tokenizer`
@@ -236,13 +241,11 @@ def load_flair(checkpoint:str|os.PathLike|dict|None=None, # upstream's flair_res
                name:str="flair", # name of the returned backend
                text_pooling:str="real_tokens"): # one of FLAIR_TEXT_POOLINGS; REPRODUCTION_TEXT_POOLING is upstream's inference
     "The FLAIR backend with upstream's weights, loaded strictly."
-    check_text_pooling(text_pooling)  # before the seconds of loading
+    check_text_pooling(text_pooling); check_flair(checkpoint, tokenizer)  # before the seconds of loading
     tokenizer = load_flair_tokenizer(tokenizer)
     if checkpoint is None: checkpoint = _fetch_flair_weights(Path(cache_dir) if cache_dir else _default_cache_dir())
     what = "FLAIR state dict" if isinstance(checkpoint, dict) else f"FLAIR checkpoint {checkpoint}"
-    state = dict(checkpoint) if isinstance(checkpoint, dict) else load_weights(checkpoint)
-    not_tensors = [k for k, v in state.items() if not isinstance(v, Tensor)]
-    if not_tensors: raise ValueError(f"{what} has entries that are not tensors: {not_tensors[:5]}")
+    state = unwrap_state(checkpoint, what) if isinstance(checkpoint, dict) else load_weights(checkpoint)
     with torch.device("meta"): shell = FlairNet()  # no memory and no initialisation: a wrong file is refused in a blink
     own = shell.state_dict()
     state = {k: v for k, v in state.items() if k in own or k not in FLAIR_OPTIONAL_KEYS}

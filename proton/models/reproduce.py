@@ -75,7 +75,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
     "The domain's embedding cache: reused when its file exists, covers the folder and was made with the same weights, else extracted (resumably, local features too)."
     model = model or DOMAINS[domain].model
     path = _cache_file(domain, caches, model)
-    weights = spec_weights(model) if checkpoint is None else checkpoint  # the file extraction hashes into the cache's metadata
+    weights = spec_weights(model, checkpoint)  # the file extraction hashes into the cache's metadata
     if weights is not None and not Path(weights).exists(): raise FileNotFoundError(f"{domain}: no checkpoint file or folder at {weights}")
     folder = read_prepared(data)
     if path.exists():

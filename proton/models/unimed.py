@@ -4,7 +4,7 @@
 
 # %% auto 0
 __all__ = ['OPENAI_MEAN', 'OPENAI_STD', 'TOKENIZER_HELP', 'UNIMED_CHECKPOINT', 'UniMedConfig', 'BertTextTower', 'UniMedCLIP',
-           'load_bert_tokenizer', 'clean_prompt', 'UniMedVLM', 'load_unimed']
+           'load_bert_tokenizer', 'clean_prompt', 'UniMedVLM', 'check_unimed', 'load_unimed']
 
 # %% ../../nbs/42_unimed.ipynb
 import html
@@ -12,12 +12,11 @@ import math
 import os
 import re
 from dataclasses import dataclass, asdict
-from pathlib import Path
 
 import torch
 from torch import nn, Tensor
 
-from .vlm import VLM, as_rgb_image, load_weights, load_state_strict, temperature_from_logit_scale, vit_patch_features
+from .vlm import VLM, as_rgb_image, check_vocab, checkpoint_file, load_bert_vocab, load_weights, load_state_strict, temperature_from_logit_scale, vit_patch_features
 
 # %% ../../nbs/42_unimed.ipynb
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # per-channel mean of OpenAI CLIP's training images
@@ -83,11 +82,7 @@ TOKENIZER_HELP = ("UniMed-CLIP needs the BiomedBERT vocabulary: pass tokenizer= 
 def load_bert_tokenizer(path:str|os.PathLike|None): # folder holding vocab.txt, or the vocab.txt file
     "A lower-casing WordPiece tokenizer read from a local vocab.txt."
     if path is None: raise ValueError(TOKENIZER_HELP)
-    path = Path(path)
-    folder = path.parent if path.name == "vocab.txt" else path
-    if not (folder / "vocab.txt").is_file(): raise FileNotFoundError(f"no vocab.txt in {folder}. {TOKENIZER_HELP}")
-    from transformers import BertTokenizer
-    return BertTokenizer.from_pretrained(str(folder), local_files_only=True, do_lower_case=True)
+    return load_bert_vocab(path, TOKENIZER_HELP)
 
 def clean_prompt(text:str): # a prompt
     "`text` repaired by ftfy, HTML entities decoded and whitespace collapsed, as UniMed-CLIP's tokenizer does."
@@ -132,13 +127,21 @@ def _drop_position_ids(sd:dict):
         raise ValueError(f"{key} in the checkpoint is not 0, 1, 2, ...: the file is not a UniMed-CLIP checkpoint")
     return {k: v for k, v in sd.items() if k != key}
 
+def check_unimed(checkpoint:str|os.PathLike|None=None, # as for `load_unimed`
+                 tokenizer=None): # as for `load_unimed`
+    "One line naming what `load_unimed` would refuse in `checkpoint` or `tokenizer`, before anything loads."
+    if checkpoint is None: raise ValueError(f"pass checkpoint= the UniMed-CLIP weights from {UNIMED_CHECKPOINT}, or 'none' for random weights")
+    if str(checkpoint) != "none": checkpoint_file(checkpoint)
+    if tokenizer is None: raise ValueError(TOKENIZER_HELP)
+    if not callable(tokenizer): check_vocab(tokenizer, TOKENIZER_HELP)
+
 def load_unimed(checkpoint:str|os.PathLike|None=None, # the .pt/.safetensors weights, or "none" for random weights
                 device="cpu", # where the model runs
                 tokenizer=None, # folder holding BiomedBERT's vocab.txt (or the file), or a BERT tokenizer object
                 config:UniMedConfig=UniMedConfig(), # model sizes; the default is the released ViT-B/16
                 seed:int=0): # seed of the random weights when checkpoint="none"
     "UniMed-CLIP as a `VLM`, its checkpoint loaded strictly."
-    if checkpoint is None: raise ValueError(f"pass checkpoint= the UniMed-CLIP weights from {UNIMED_CHECKPOINT}, or 'none' for random weights")
+    check_unimed(checkpoint, tokenizer)
     try: import open_clip, transformers
     except ImportError: raise ImportError('UniMed-CLIP needs the vlm extra: pip install "proton-ood[vlm]"') from None
     tok = tokenizer if callable(tokenizer) else load_bert_tokenizer(tokenizer)

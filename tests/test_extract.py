@@ -648,3 +648,12 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(clip, da
     assert same_cache(first["cache"], reference[1]) and same_cache(EmbeddingCache.load(out), reference[1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.npz"]  # no lock, no shards left behind
     assert same_cache(extract(clip, data, out=out, **RUN), reference[1])  # the lock is free again
+
+
+def test_a_prompts_folder_is_refused_naming_it(data, tmp_path, monkeypatch, capsys):
+    "--prompts <folder> was taken for the prompts themselves, one prompt: 'got 1 prompts for 2 classes'."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the prompts were checked"))
+    (tmp_path / "prompts").mkdir()
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--prompts", str(tmp_path / "prompts")]) == 1
+    assert capsys.readouterr().err == (f"proton-ood extract: error: --prompts {tmp_path / 'prompts'} is a folder: "
+                                       "give a prompt file, or the prompts separated by commas\n")

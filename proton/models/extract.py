@@ -807,8 +807,9 @@ def _parser():
     return p
 
 def parse_prompts(text:str|None): # the --prompts argument
-    "A prompt file's path if `text` names a file, else the comma-separated prompts."
+    "A prompt file's path if `text` names a file, else the comma-separated prompts; a folder is refused."
     if text is None or Path(text).is_file(): return text
+    if Path(text).is_dir(): raise ValueError(f"--prompts {text} is a folder: give a prompt file, or the prompts separated by commas")
     if Path(text).suffix in (".json", ".txt"): raise FileNotFoundError(f"no prompt file at {text}")
     return [p.strip() for p in text.split(",")]
 

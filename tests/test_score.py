@@ -539,7 +539,7 @@ def test_the_summary_counts_one_image_in_the_singular(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"scored 2 new images; {out} holds 3"
 
 
-@pytest.mark.parametrize("audit", ["r.csv", "r.csv.state.pt", "r.csv.lock", "c.npz", "sub/../r.csv"])
+@pytest.mark.parametrize("audit", ["r.csv", "r.csv.state.pt", "r.csv.lock", "c.npz", "sub/../r.csv", "linked.csv"])
 def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tmp_path, capsys, audit):
     "--audit naming the results file, a file beside it or the stream's source would destroy them: one line, and nothing already written changes."
     from proton.cli import main
@@ -547,6 +547,7 @@ def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tm
     (tmp_path / "sub").mkdir()
     args = ["score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50", "--bank-size", "20"]
     assert main(args) == 0
+    os.link(tmp_path / "r.csv", tmp_path / "linked.csv")  # the results under another name
     before, _ = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}, capsys.readouterr()
     assert main(args + ["--audit", str(tmp_path / audit)]) == 1
     err = capsys.readouterr().err

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, hold_lock, replace_atomically, save_state, torch_load_safely
+from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, hold_lock, replace_atomically, same_file, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
@@ -431,7 +431,7 @@ def check_audit_path(path:str|os.PathLike, # the audit's CSV file
     if not path.parent.is_dir(): raise ValueError(f"cannot write the audit {path}: its folder does not exist")
     taken = {results.out: "the results file", results.state_path: "the stream's state", results.lock_path: "the results' lock",
              results.journal: "the results' journal", **{Path(k): what for what, k in (keep or {}).items() if k}}
-    what = next((v for k, v in taken.items() if k.resolve() == path), "an image" if path.is_file() and is_image_file(path) else None)
+    what = next((v for k, v in taken.items() if same_file(k, path)), "an image" if path.is_file() and is_image_file(path) else None)
     if what: raise ValueError(f"the audit {path.name} would overwrite {what}; choose another file for it")
     _check_writable(path)  # a folder, or a folder it cannot write, fails now rather than once the stream is scored
 

@@ -21,7 +21,7 @@ class PrototypeBank:
         self.size = size
         try: self.entries = torch.zeros(n_classes, size, dim, dtype=dtype, device=device)  # (C, M, d), oldest first
         except (RuntimeError, MemoryError) as e:  # the allocator's message names neither the bank nor the setting
-            if "alloc" not in str(e) and "out of memory" not in str(e): raise
+            if not any(w in str(e) for w in ("alloc", "out of memory", "overflow")): raise  # overflow: a size past what torch can count
             need = n_classes * size * dim * torch.empty(0, dtype=dtype).element_size() / 2**30
             raise ValueError(f"a bank of {n_classes} queues of {size} entries of dimension {dim} needs {need:,.1f} GiB, more than can be allocated; "
                              "choose a smaller bank_size") from None

@@ -4,8 +4,8 @@
 
 # %% auto 0
 __all__ = ['MONITOR_FORMAT', 'replace_atomically', 'save_state', 'save_detector', 'torch_load_safely', 'load_detector',
-           'hold_lock', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift', 'MonitorRows', 'Monitor',
-           'load_monitor', 'bank_audit']
+           'hold_lock', 'same_file', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift', 'MonitorRows',
+           'Monitor', 'load_monitor', 'bank_audit']
 
 # %% ../nbs/50_deploy.ipynb
 import contextlib
@@ -99,6 +99,13 @@ def hold_lock(path, # the lock file, created when missing
     finally:
         if remove: path.unlink(missing_ok=True)
         f.close()
+
+# %% ../nbs/50_deploy.ipynb
+def same_file(a, # a path, existing or not
+              b): # another
+    "Whether `a` and `b` name one file: the same path once symbolic links are followed, or two names (hard links) of one file."
+    a, b = Path(a).resolve(), Path(b).resolve()
+    return a == b or (a.exists() and b.exists() and os.path.samefile(a, b))
 
 # %% ../nbs/50_deploy.ipynb
 def threshold_for_id_recall(scores_id, # scores of images known to be ID, higher = more OOD

@@ -662,3 +662,40 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(clip, da
     assert same_cache(first["cache"], reference[1]) and same_cache(EmbeddingCache.load(out), reference[1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.npz"]  # no lock, no shards left behind
     assert same_cache(extract(clip, data, out=out, **RUN), reference[1])  # the lock is free again
+
+
+def test_a_prompts_folder_is_refused_naming_it(data, tmp_path, monkeypatch, capsys):
+    "--prompts <folder> was taken for the prompts themselves, one prompt: 'got 1 prompts for 2 classes'."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the prompts were checked"))
+    (tmp_path / "prompts").mkdir()
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--prompts", str(tmp_path / "prompts")]) == 1
+    assert capsys.readouterr().err == (f"proton-ood extract: error: --prompts {tmp_path / 'prompts'} is a folder: "
+                                       "give a prompt file, or the prompts separated by commas\n")
+
+
+@pytest.mark.parametrize("out, flag, given, what", [
+    ("prep/classes.json", None, None, "write inside the prepared folder"),
+    ("prep/split.csv", None, None, "write inside the prepared folder"),
+    ("prep/id/normal/retina.png", None, None, "write inside the prepared folder"),
+    ("prep/new.npz", None, None, "write inside the prepared folder"),
+    ("p.txt", "--prompts", "p.txt", "overwrite the prompt file"),
+    ("link.npz", "--prompts", "p.txt", "overwrite the prompt file"),  # a hard link to it
+    ("sets.json", "--prompt-sets", "sets.json", "overwrite the prompt sets file"),
+    ("w.pt", "--checkpoint", "w.pt", "overwrite the model's weights"),
+    ("tok/vocab.txt", "--tokenizer", "tok", "overwrite the tokenizer"),
+    ("p", "--prompts", "p.lock", "overwrite the prompt file"),  # <out>.lock, removed when the run ends
+    ("prep", None, None, "overwrite the prepared folder"),  # --data prep.shards: <out>.shards, removed when the run ends
+])
+def test_an_out_over_an_input_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, out, flag, given, what):
+    "--out naming a file of the prepared folder, the prompt file, ... wrote the cache over it, exit status 0."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before --out was checked"))
+    monkeypatch.chdir(tmp_path)
+    data = make_prepared("prep.shards" if out == "prep" else "prep")
+    Path("p.txt").write_text("a photo of normal\na photo of dr\n"); Path("p.lock").write_text("normal\ndr\n"); os.link("p.txt", "link.npz")
+    Path("sets.json").write_text(json.dumps({"mine": {"normal": ["a"], "diabetic_retinopathy": ["b"]}}))
+    Path("w.pt").write_bytes(b"weights"); Path("tok").mkdir(); Path("tok/vocab.txt").write_text("[PAD]\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, *([flag, given] if flag else []), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("proton-ood extract: error: the cache ") and err.count("\n") == 1 and what in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -272,10 +272,11 @@ def test_an_empty_loader_gives_empty_arrays():
     assert pred.shape == conf.shape == label.shape == (0,)
 
 
-def test_a_bank_too_large_for_memory_is_named_with_its_size():
-    "--bank-size 100000000000 failed with the allocator's message, which names neither the bank nor the setting."
-    with pytest.raises(ValueError, match=r"a bank of 3 queues of 100000000000 entries of dimension 16 needs [\d,.]+ GiB.*choose a smaller bank_size"):
-        Proton(T, ProtonConfig(bank_size=10**11, k_min=2, temperature=0.2))
+@pytest.mark.parametrize("size", [10**11, 10**17])
+def test_a_bank_too_large_for_memory_is_named_with_its_size(size):
+    "--bank-size 100000000000 failed with the allocator's message, which names neither the bank nor the setting; 10**17, with torch's size overflow."
+    with pytest.raises(ValueError, match=rf"a bank of 3 queues of {size} entries of dimension 16 needs [\d,.]+ GiB.*choose a smaller bank_size"):
+        Proton(T, ProtonConfig(bank_size=size, k_min=2, temperature=0.2))
 
 
 def test_the_openood_postprocessor_is_one_of_openoods_when_openood_is_installed(monkeypatch):

@@ -447,6 +447,28 @@ def test_an_audit_that_cannot_be_written_stops_the_command_before_it_scores(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"], "nothing scored, nothing written"
 
 
+def without_root_powers(cmd):
+    "`cmd` as a command that a read-only folder stops: as root, without the capabilities that override file permissions."
+    if os.geteuid() != 0: return cmd
+    if not shutil.which("setpriv"): pytest.skip("root without setpriv: no folder is read-only to it")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+
+
+@pytest.mark.parametrize("case", ["a folder", "in a read-only folder"])
+def test_an_audit_that_is_a_folder_or_in_a_read_only_folder_stops_the_command_before_it_scores(tmp_path, case):
+    "Only the audit's folder was checked: the whole stream was scored and committed, then the audit failed with a raw errno line."
+    cache, folder = cache_file(tmp_path / "c.npz"), tmp_path / "audits"
+    folder.mkdir()
+    audit = folder if case == "a folder" else folder / "a.csv"
+    if case != "a folder": folder.chmod(0o555)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run(without_root_powers([exe, "score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--audit", str(audit)]),
+                       capture_output=True, text=True, timeout=600)
+    folder.chmod(0o755)
+    assert one_line_error(r) and f"cannot write {audit}" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audits", "c.npz"] and not any(folder.iterdir()), "nothing scored, nothing written"
+
+
 @pytest.mark.parametrize("text,message", [("0.1\nnan\n0.2\n", r"ref\.txt: 1 of the 3 reference scores is not finite"),
                                           ("0.1\n", r"ref\.txt: θ needs at least 2 reference scores, got 1")])
 def test_a_bad_reference_is_named_before_the_model_loads(tmp_path, monkeypatch, text, message):
@@ -517,7 +539,7 @@ def test_the_summary_counts_one_image_in_the_singular(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"scored 2 new images; {out} holds 3"
 
 
-@pytest.mark.parametrize("audit", ["r.csv", "r.csv.state.pt", "r.csv.lock", "c.npz", "sub/../r.csv"])
+@pytest.mark.parametrize("audit", ["r.csv", "r.csv.state.pt", "r.csv.lock", "c.npz", "sub/../r.csv", "linked.csv"])
 def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tmp_path, capsys, audit):
     "--audit naming the results file, a file beside it or the stream's source would destroy them: one line, and nothing already written changes."
     from proton.cli import main
@@ -525,6 +547,7 @@ def test_an_audit_that_would_overwrite_the_results_state_or_source_is_refused(tm
     (tmp_path / "sub").mkdir()
     args = ["score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", "--warmup", "50", "--bank-size", "20"]
     assert main(args) == 0
+    os.link(tmp_path / "r.csv", tmp_path / "linked.csv")  # the results under another name
     before, _ = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}, capsys.readouterr()
     assert main(args + ["--audit", str(tmp_path / audit)]) == 1
     err = capsys.readouterr().err

@@ -28,7 +28,7 @@ from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHO
                                     routed_score, split_held_out, with_stand_ins)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
-from ..deploy import replace_atomically
+from ..deploy import replace_atomically, same_file
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
 from ..scores import as_unit_rows, compute_dtype, plain_number
@@ -478,10 +478,6 @@ def _paths(name:str, out:Path):
         return {t: out.with_name(f"{out.stem}_{name}_{t}.csv") for t in tables}
     return {None: out if name == "main_table" else out.with_name(f"{out.stem}_{name}.csv")}
 
-def _same_file(a, b): # two paths
-    "Whether both exist and are one file, by any name: a symbolic or a hard link."
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
-
 def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
     "Raise unless every file the run will write can be written and none of them is a cache it reads."
     if not out: raise ValueError("--out is empty: give the file of the main table, such as results.csv")
@@ -489,7 +485,7 @@ def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
     stem = Path(out)
     files = [p for n in names if simulated_run or EXPERIMENTS[n].takes != "world" for p in _paths(n, stem).values()]
     for path in files + [stem.with_name(f"{stem.stem}_protocol.json")]:
-        read = [c for c in caches if Path(c).resolve() == path.resolve() or _same_file(c, path)]
+        read = [c for c in caches if same_file(c, path)]
         if read and path == stem: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
         if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
         _check_writable(path)

@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, hold_lock, replace_atomically, save_state, torch_load_safely
+from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, hold_lock, replace_atomically, same_file, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
 from .extract import default_workers, read_prompt_file, resolve_prompts
+from ..bench.evaluation import _check_writable
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import read_image
 
@@ -425,13 +426,14 @@ def audit_rows(rows:list, # the stream's rows from its first image, each as the 
 def check_audit_path(path:str|os.PathLike, # the audit's CSV file
                      out:str|os.PathLike, # the results file of `score_stream`
                      keep:dict|None=None): # further files it must not replace, by what they are: {"the prompt file": path, ...}
-    "Refuse an audit file whose folder is missing, or that would replace the results, a file beside them, one of `keep` or an image."
+    "Refuse an audit file that is a folder, whose folder is missing or cannot be written, or that would replace the results, a file beside them, one of `keep` or an image."
     path, results = Path(path).resolve(), Results(out)
     if not path.parent.is_dir(): raise ValueError(f"cannot write the audit {path}: its folder does not exist")
     taken = {results.out: "the results file", results.state_path: "the stream's state", results.lock_path: "the results' lock",
              results.journal: "the results' journal", **{Path(k): what for what, k in (keep or {}).items() if k}}
-    what = next((v for k, v in taken.items() if k.resolve() == path), "an image" if path.is_file() and is_image_file(path) else None)
+    what = next((v for k, v in taken.items() if same_file(k, path)), "an image" if path.is_file() and is_image_file(path) else None)
     if what: raise ValueError(f"the audit {path.name} would overwrite {what}; choose another file for it")
+    _check_writable(path)  # a folder, or a folder it cannot write, fails now rather than once the stream is scored
 
 def write_audit(out:str|os.PathLike, # the results file of `score_stream`
                 path:str|os.PathLike): # the audit's CSV file

@@ -386,7 +386,12 @@ def course_cache(domain:str, # a domain: ophthalmology, radiology or pathology (
         if not Path(folder).expanduser().is_dir(): raise ValueError(f"{COURSE_CACHES}={folder} is not a folder of caches")
         found = sorted(Path(folder).expanduser().glob(f"{domain}*.npz"))
         if len(found) > 1: raise ValueError(f"{folder} holds several caches of {domain}: {[p.name for p in found]}; keep one")
-        if found: return EmbeddingCache.load(found[0])
+        if found:
+            cache = EmbeddingCache.load(found[0])
+            if missing := [s for s in SHIFTS if s not in cache.shifts_present]:
+                raise ValueError(f"{found[0]} has no {' and no '.join(missing)} images, and the chapters need every shift: "
+                                 f"run `proton-ood evaluate {found[0]}` on it instead, which evaluates the shifts it has")
+            return cache
         warnings.warn(f"{folder} holds no cache of {domain} ({domain}*.npz): the simulated one stands in", stacklevel=2)
     cache = simulated_cache(domain)
     return with_stand_ins(cache) if stand_ins else cache

@@ -211,6 +211,20 @@ def test_a_snapshot_folder_loads_as_open_clip_itself_loads_it(clip, tmp_path):
     assert not torch.equal(theirs.encode_images(PHOTOS), clip.encode_images(PHOTOS))  # the folder's own normalisation was used
 
 
+
+def test_weights_that_open_clip_adapts_as_it_loads_them_load_as_it_loads_them(clip, tmp_path):
+    "open_clip's load_checkpoint adapts a state before loading it (here a logit_scale saved with shape (1,)); the strict loader refused what open_clip loads."
+    import open_clip
+    from safetensors.torch import save_file
+    from proton.models.vlm import OpenClipVLM
+    sd = {k: v.contiguous() for k, v in clip.model.state_dict().items()} | {"logit_scale": clip.model.logit_scale.detach().reshape(1) + 1}
+    folder = _snapshot(tmp_path / "snap", lambda d: save_file(sd, d / "open_clip_model.safetensors"), dict(mean=[.5, .5, .5], std=[.25, .25, .25]))
+    model, _, transform = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    theirs = OpenClipVLM(model, transform, open_clip.get_tokenizer(f"local-dir:{folder}"), "theirs")
+    for ours in (load_vlm("quiltnet", folder), load_vlm(f"open_clip:{ARCH}/{folder / 'open_clip_model.safetensors'}")):
+        assert torch.equal(ours.model.logit_scale, theirs.model.logit_scale)
+        assert torch.equal(ours.encode_text(["a cat", "a dog"]), theirs.encode_text(["a cat", "a dog"]))
+
 def _truncated(folder, sd):
     from safetensors.torch import save_file
     save_file(sd, folder / "open_clip_model.safetensors")

@@ -6,9 +6,9 @@
 __all__ = ['MAX_LOGIT_SCALE', 'STATE_KEYS', 'BERT_SPECIAL_TOKENS', 'SNAPSHOT_WEIGHTS', 'QUILTNET', 'temperature_from_logit_scale',
            'to_8_bits', 'as_rgb_image', 'is_dicom', 'dicom_to_8_bits', 'read_image', 'VLM', 'pixels_to_float',
            'class_prompts', 'prompt_ensemble', 'checkpoint_file', 'unwrap_state', 'load_weights', 'load_state_strict',
-           'check_vocab', 'load_bert_vocab', 'OpenClipVLM', 'vit_patch_features', 'snapshot_weights', 'load_open_clip',
-           'check_local_weights', 'check_quiltnet', 'load_quiltnet', 'check_open_clip_spec', 'load_open_clip_spec',
-           'spec_weights']
+           'check_vocab', 'load_bert_vocab', 'OpenClipVLM', 'vit_patch_features', 'snapshot_weights',
+           'as_open_clip_adapts', 'load_open_clip', 'check_local_weights', 'check_quiltnet', 'load_quiltnet',
+           'check_open_clip_spec', 'load_open_clip_spec', 'spec_weights']
 
 # %% ../../nbs/40_vlm.ipynb
 import logging
@@ -414,6 +414,19 @@ def snapshot_weights(folder:str|os.PathLike): # a folder holding an open_clip Hu
                                           "missing weights are an error; random weights must be asked for, as 'open_clip:<arch>/none'")
     return next((folder / n for n in SNAPSHOT_WEIGHTS if folder / n in files), min(files, key=lambda p: p.suffix != ".safetensors"))
 
+def as_open_clip_adapts(model, # the open_clip model the state is for
+                       state:dict): # its weights, as read from a file
+    "The state as open_clip's own `load_checkpoint` adapts it before loading: other projects' layouts, the old text-tower format, scalar shapes, stale position ids, other sizes of the position embeddings."
+    from open_clip.factory import convert_state_dict, convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+    state = convert_state_dict(model, dict(state))
+    if "positional_embedding" in state and not hasattr(model, "positional_embedding"): state = convert_to_custom_text_state_dict(state)
+    for key in ("logit_scale", "logit_bias"):
+        if key in state and getattr(model, key, None) is not None and model.get_parameter(key).ndim != state[key].ndim:
+            state[key] = state[key].reshape(model.get_parameter(key).shape)
+    if "text.transformer.embeddings.position_ids" not in model.state_dict(): state.pop("text.transformer.embeddings.position_ids", None)  # newer transformers keep none
+    resize_pos_embed(state, model); resize_text_pos_embed(state, model)
+    return state
+
 def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-hub:org/repo"
                    pretrained:str|os.PathLike|None=None, # a tag, a local weights file or snapshot folder; None: random weights
                    device="cpu", # where the model runs
@@ -434,7 +447,7 @@ def load_open_clip(arch:str, # open_clip architecture, e.g. "ViT-B-32", or "hf-h
                if arch.startswith("hf-hub:") else f"download them where there is internet and pass its weights file, as open_clip:{arch}/<file>")
         model, _, transform = _build_from_hub(build, name, how)
     else: model, _, transform = _random_init_quietly(build, seed)
-    if local: load_state_strict(model, load_weights(pretrained), f"open_clip weights {pretrained}")
+    if local: load_state_strict(model, as_open_clip_adapts(model, load_weights(pretrained)), f"open_clip weights {pretrained}")
     return OpenClipVLM(model, transform, open_clip.get_tokenizer(arch), name, device)
 
 # %% ../../nbs/40_vlm.ipynb

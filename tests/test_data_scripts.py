@@ -362,6 +362,13 @@ def test_a_hand_edited_split_row_is_refused_before_any_image_is_written(tmp_path
     assert not (tmp_path / "out").exists() and split.read_text().endswith(f"{row}\n")
 
 
+def test_a_split_file_that_is_not_utf8_is_named(tmp_path):
+    split = tmp_path / "s.csv"
+    split.write_bytes("source,shift,label,original\nv,id,caf\u00e9,k\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{split} is not UTF-8 text")):
+        splits.read_split(split)
+
+
 def test_a_split_file_with_a_byte_order_mark_is_read(tmp_path):
     "Excel saves 'CSV UTF-8' with a byte-order mark; the header is still the header."
     split = tmp_path / "s.csv"

@@ -5,7 +5,7 @@
 # %% auto 0
 __all__ = ['SPLIT_FILE', 'CLASSES_FILE', 'PROMPT_SETS_FILE', 'MARKER_FILE', 'SPLIT_COLUMNS', 'DICOM_SUFFIXES', 'IMAGE_SUFFIXES',
            'SKIPPED_FILES', 'FIT', 'FOLDERS', 'image_path', 'check_claimable', 'claim_folder', 'write_split_table',
-           'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker', 'is_image_file',
+           'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker', 'is_image_file', 'open_csv',
            'read_prepared']
 
 # %% ../../nbs/44_data.ipynb
@@ -197,17 +197,22 @@ def _images_on_disk(root:Path):
             found.append(rel)
     return found
 
+@contextlib.contextmanager
+def open_csv(path:str|os.PathLike): # a CSV file
+    "`path` open for `csv` as UTF-8 text, a byte order mark skipped (Excel's 'CSV UTF-8' begins with one); text that is not UTF-8 is a `ValueError` naming the file."
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        try: yield f
+        except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+
 def _read_split(root:Path, on_disk:list):
     "file -> source from `root`/split.csv after checking it against the files on disk; None when there is no split.csv."
     path = root / SPLIT_FILE
     if not path.is_file(): return None
-    with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's "CSV UTF-8" begins with a byte order mark
-        try:
-            reader = csv.DictReader(f)
-            missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
-            if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
-            rows = list(reader)
-        except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    with open_csv(path) as f:
+        reader = csv.DictReader(f)
+        missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
+        if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
+        rows = list(reader)
     for r in rows:
         if tuple(Path(r["file"]).parts[:2]) != (r["shift"], r["label"]) or len(Path(r["file"]).parts) != 3:
             raise ValueError(f"{path}: row {r['file']!r} says shift {r['shift']!r} and label {r['label']!r}, but the file is not in {r['shift']}/{r['label']}/")

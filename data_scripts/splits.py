@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from archives import LayoutError, View
-from proton.bench.prepared import FOLDERS
+from proton.bench.prepared import FOLDERS, open_csv
 from proton.deploy import replace_atomically
 
 SPLITS = Path(__file__).resolve().parent / "splits"
@@ -73,7 +73,7 @@ def read_split(path: Path, # a split file
     if not path.exists():
         return []
     rows = []
-    with open(path, newline="", encoding="utf-8-sig") as f:  # a byte-order mark (Excel's 'CSV UTF-8') is not part of the header
+    with open_csv(path) as f:  # UTF-8, a byte-order mark (Excel's 'CSV UTF-8') not part of the header; else an error naming the file
         reader = csv.reader(f)
         header = next(reader, None)
         if tuple(header or ()) != SPLIT_COLUMNS:

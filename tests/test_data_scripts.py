@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from proton.bench.prepared import claim_folder, read_prepared
+from proton.bench.prepared import MARKER_FILE, check_claimable, claim_folder, read_prepared
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
@@ -360,6 +360,13 @@ def test_a_hand_edited_split_row_is_refused_before_any_image_is_written(tmp_path
     with pytest.raises(ValueError, match=re.escape(f"{split}, {message}")):
         common.prepare(LETTERS, {"v": letters_view(tmp_path)}, tmp_path / "out", split, progressbar=False)
     assert not (tmp_path / "out").exists() and split.read_text().endswith(f"{row}\n")
+
+
+def test_a_split_file_that_is_not_utf8_is_named(tmp_path):
+    split = tmp_path / "s.csv"
+    split.write_bytes("source,shift,label,original\nv,id,caf\u00e9,k\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{split} is not UTF-8 text")):
+        splits.read_split(split)
 
 
 def test_a_split_file_with_a_byte_order_mark_is_read(tmp_path):
@@ -1030,6 +1037,80 @@ def test_a_folder_the_script_did_not_write_is_refused_not_wiped(tmp_path, made_b
     with pytest.raises(ValueError, match=message):
         common.prepare(LETTERS, {"v": letters_view(tmp_path)}, out, tmp_path / "s.csv", progressbar=False)
     assert files_in(out) == before
+
+
+def test_a_folder_written_before_the_marker_is_prepared_again(tmp_path):
+    "Earlier versions wrote no MARKER_FILE but classes.json's 'benchmark': such a folder is the script's own, with nothing added."
+    view, out = letters_view(tmp_path), tmp_path / "out"
+    common.prepare(LETTERS, {"v": view}, out, tmp_path / "s.csv", progressbar=False)
+    (out / MARKER_FILE).unlink()
+    with pytest.raises(ValueError, match="holds the letters benchmark, not other"):
+        check_claimable(out, "other")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds \['notes.txt'\], which the data scripts did not write"):
+        check_claimable(out, "letters")
+    (out / "notes.txt").unlink()
+    common.prepare(LETTERS, {"v": view}, out, tmp_path / "s.csv", progressbar=False)
+    assert len(read_prepared(out)) == 10 and (out / MARKER_FILE).read_text() == "letters\n"
+
+
+def test_a_failed_swap_leaves_the_old_folder_and_nothing_beside_it(tmp_path, monkeypatch):
+    "Putting the new folder in place can fail too (EBUSY, EXDEV): the old folder stays as it was and the new one is removed."
+    view, out = letters_view(tmp_path), tmp_path / "out"
+    common.prepare(LETTERS, {"v": view}, out, tmp_path / "s.csv", progressbar=False)
+    before, rename, tries = files_in(out), Path.rename, []
+    def busy(self, target):  # the new folder cannot take --out's place, once
+        if Path(target) == out and not tries: tries.append(self); raise OSError(16, "Device or resource busy", str(out))
+        return rename(self, target)
+    monkeypatch.setattr(Path, "rename", busy)
+    with pytest.raises(OSError, match="busy"):
+        common.prepare(LETTERS, {"v": view}, out, tmp_path / "s.csv", progressbar=False)
+    assert files_in(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.csv", "src"]
+
+
+def test_a_failure_writing_the_marker_leaves_nothing_beside_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(Path, "write_text", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"), claim_folder(tmp_path / "out", "t"):
+        pytest.fail("claimed without its marker")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(tmp_path):
+    "Two runs on one --out (prepare_all and a manual rerun): the second must not clear the first's new folder."
+    out = tmp_path / "out"
+    with claim_folder(out, "t") as first:
+        (first / "id/x").mkdir(parents=True)
+        with pytest.raises(BlockingIOError, match=f"another run is writing {re.escape(str(out))}"), claim_folder(out, "t"):
+            pytest.fail("a second run claimed the folder")
+        assert (first / "id/x").is_dir() and (first / MARKER_FILE).is_file()
+    assert (out / "id/x").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the lock is gone with the run"
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    "An empty folder that is a mount point (a Docker volume, an external disk): a tmpfs, where root may mount one."
+    import os, subprocess
+    out = tmp_path / "out"
+    out.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(out)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield out
+    subprocess.run(["umount", str(out)], check=True)
+
+
+def test_an_out_that_is_a_mount_point_is_written_in_place(mounted, tmp_path):
+    "A mount point cannot be renamed: the new folder is built inside it, and a failed rerun still leaves the old one as it was."
+    view = letters_view(tmp_path)
+    common.prepare(LETTERS, {"v": view}, mounted, tmp_path / "s.csv", progressbar=False)
+    assert len(read_prepared(mounted)) == 10 and sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.csv", "src"]
+    before = files_in(mounted)
+    (tmp_path / "src/img/b_4.png").write_bytes(b"not an image")
+    with pytest.raises(archives.LayoutError, match="not a readable image"):
+        common.prepare(LETTERS, {"v": view}, mounted, tmp_path / "s.csv", progressbar=False)
+    assert files_in(mounted) == before
+    (tmp_path / "src/img/b_4.png").write_bytes(image_bytes("PNG", 4))
+    common.prepare(LETTERS, {"v": view}, mounted, tmp_path / "s.csv", progressbar=False)
+    assert files_in(mounted) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out", "s.csv", "src"]
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "TIFF", "PNG"])

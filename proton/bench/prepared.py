@@ -5,7 +5,7 @@
 # %% auto 0
 __all__ = ['SPLIT_FILE', 'CLASSES_FILE', 'PROMPT_SETS_FILE', 'MARKER_FILE', 'SPLIT_COLUMNS', 'DICOM_SUFFIXES', 'IMAGE_SUFFIXES',
            'SKIPPED_FILES', 'FIT', 'FOLDERS', 'image_path', 'check_claimable', 'claim_folder', 'write_split_table',
-           'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker', 'is_image_file',
+           'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker', 'is_image_file', 'open_csv',
            'read_prepared']
 
 # %% ../../nbs/44_data.ipynb
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .synth import SHIFTS
+from ..deploy import hold_lock
 
 # %% ../../nbs/44_data.ipynb
 SPLIT_FILE, CLASSES_FILE, PROMPT_SETS_FILE = "split.csv", "classes.json", "prompt_sets.json"
@@ -38,48 +39,70 @@ def image_path(shift:str, # one of `FOLDERS`: a shift, or "fit"
     if shift not in FOLDERS: raise ValueError(f"unknown shift {shift!r}: choose one of {FOLDERS}")
     return f"{shift}/{label}/{name}"
 
-def _siblings(root:Path):
-    "Where `claim_folder` builds the new folder beside `root`, and where it moves the old one while swapping them."
-    return root.with_name(f".{root.name}.partial"), root.with_name(f".{root.name}.old")
+def _places(root:Path):
+    "Where `claim_folder` builds the new folder, moves the old one while swapping them, and locks `root`: beside it, or inside it when it is a mount point, which cannot be renamed."
+    if os.path.ismount(root): return tuple(root / f"{MARKER_FILE}.{s}" for s in ("partial", "old", "lock"))
+    return tuple(root.with_name(f".{root.name}.{s}") for s in ("partial", "old", "lock"))
 
-def _maker(path:Path):
-    "The benchmark whose data script wrote the folder `path` (its `MARKER_FILE`); '' for no folder or an empty one; None for anything else."
+def _maker(path:Path, # a folder, or where none is yet
+           ignore=()): # names in it that do not count: `claim_folder`'s own, inside a mount point
+    "The benchmark whose data script wrote the folder `path` (its `MARKER_FILE`, else classes.json's 'benchmark', as earlier versions wrote no marker); '' for no folder or an empty one; None for anything else."
     if not path.exists(): return ""
     if not path.is_dir(): return None
     if (path / MARKER_FILE).is_file(): return (path / MARKER_FILE).read_text(encoding="utf-8").strip() or None
-    return None if {p.name for p in path.iterdir()} - set(SKIPPED_FILES) else ""
+    if not {p.name for p in path.iterdir()} - {*SKIPPED_FILES, *ignore}: return ""
+    try: made = json.loads((path / CLASSES_FILE).read_text(encoding="utf-8-sig")).get("benchmark")
+    except (OSError, ValueError, AttributeError): return None  # no classes.json, or not one the data scripts wrote
+    return made if isinstance(made, str) and made else None
 
 def check_claimable(root:str|os.PathLike, # the prepared folder to (re)write
                     benchmark:str): # the benchmark to write there
     "Refuse a `root` that `claim_folder` must not replace: a file, a folder not written for `benchmark` by its data script, or one holding other files too. Changes nothing."
     root = Path(root).resolve()
     if root.exists() and not root.is_dir(): raise ValueError(f"--out {root} is a file, not a folder")
-    made = _maker(root)
+    places = _places(root)
+    own = {p.name for p in places if p.parent == root}
+    made = _maker(root, own)
     if made is None: raise ValueError(f"{root} is not empty and was not made by the {benchmark} data script; choose an empty --out")
     if made not in ("", benchmark): raise ValueError(f"{root} holds the {made} benchmark, not {benchmark}; choose another --out")
-    extra = sorted(set(os.listdir(root)) - {*FOLDERS, SPLIT_FILE, CLASSES_FILE, PROMPT_SETS_FILE, MARKER_FILE, *SKIPPED_FILES}) if made else []
+    extra = sorted(set(os.listdir(root)) - {*FOLDERS, SPLIT_FILE, CLASSES_FILE, PROMPT_SETS_FILE, MARKER_FILE, *SKIPPED_FILES, *own}) if made else []
     if extra: raise ValueError(f"{root} holds {extra}, which the data scripts did not write; move them away before preparing it again")
-    for path in _siblings(root):
+    for path in places[:2]:
         if _maker(path) is None: raise ValueError(f"{path} is in the way: the data script builds --out there; move it away")
 
 @contextlib.contextmanager
 def claim_folder(root:str|os.PathLike, # the prepared folder to (re)write
                  benchmark:str): # the benchmark written there, recorded in its `MARKER_FILE`
-    "Yield a new folder beside `root` to write `benchmark`'s prepared folder in: it replaces `root` when the block ends, and is removed if the block fails."
+    "Yield a new folder to write `benchmark`'s prepared folder in, while no other run may claim `root`: it replaces `root` when the block ends; a failure, of the block or of the swap, leaves `root` as it was and nothing beside it."
     root = Path(root).resolve()
-    check_claimable(root, benchmark)
-    new, old = _siblings(root)
-    for stale in (new, old):  # what a killed run left: a half-written folder, or the one it was replacing
-        if stale.exists(): shutil.rmtree(stale)
-    new.mkdir(parents=True)
-    (new / MARKER_FILE).write_text(f"{benchmark}\n", encoding="utf-8")
-    try: yield new
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
-    if root.exists(): root.rename(old)
-    new.rename(root)
-    shutil.rmtree(old, ignore_errors=True)
+    places = new, old, lock = _places(root)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        try: held.enter_context(hold_lock(lock, remove=True))
+        except BlockingIOError: raise BlockingIOError(f"another run is writing {root}; wait for it to end, or choose another --out") from None
+        check_claimable(root, benchmark)
+        for stale in (new, old):  # what a killed run left: a half-written folder, or the one it was replacing
+            if stale.exists(): shutil.rmtree(stale)
+        moved = []  # (from, to) of each rename of the swap, undone if a later one fails
+        def move(a, b): a.rename(b); moved.append((a, b))
+        try:
+            new.mkdir()
+            (new / MARKER_FILE).write_text(f"{benchmark}\n", encoding="utf-8")
+            yield new
+            if new.parent == root:  # a mount point: its contents move, not the folder
+                old.mkdir()
+                for p in [p for p in root.iterdir() if p not in places]: move(p, old / p.name)
+                for p in list(new.iterdir()): move(p, root / p.name)
+                new.rmdir()
+            else:
+                if root.exists(): move(root, old)
+                move(new, root)
+        except BaseException:
+            for a, b in reversed(moved): b.rename(a)
+            shutil.rmtree(new, ignore_errors=True)
+            with contextlib.suppress(OSError): old.rmdir()  # left empty inside a mount point
+            raise
+        shutil.rmtree(old, ignore_errors=True)
 
 def write_split_table(root:str|os.PathLike, # the prepared folder
                       rows:list): # dicts with the keys of `SPLIT_COLUMNS`, one per image
@@ -197,17 +220,22 @@ def _images_on_disk(root:Path):
             found.append(rel)
     return found
 
+@contextlib.contextmanager
+def open_csv(path:str|os.PathLike): # a CSV file
+    "`path` open for `csv` as UTF-8 text, a byte order mark skipped (Excel's 'CSV UTF-8' begins with one); text that is not UTF-8 is a `ValueError` naming the file."
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        try: yield f
+        except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+
 def _read_split(root:Path, on_disk:list):
     "file -> source from `root`/split.csv after checking it against the files on disk; None when there is no split.csv."
     path = root / SPLIT_FILE
     if not path.is_file(): return None
-    with open(path, newline="", encoding="utf-8-sig") as f:  # Excel's "CSV UTF-8" begins with a byte order mark
-        try:
-            reader = csv.DictReader(f)
-            missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
-            if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
-            rows = list(reader)
-        except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    with open_csv(path) as f:
+        reader = csv.DictReader(f)
+        missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
+        if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
+        rows = list(reader)
     for r in rows:
         if tuple(Path(r["file"]).parts[:2]) != (r["shift"], r["label"]) or len(Path(r["file"]).parts) != 3:
             raise ValueError(f"{path}: row {r['file']!r} says shift {r['shift']!r} and label {r['label']!r}, but the file is not in {r['shift']}/{r['label']}/")

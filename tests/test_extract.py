@@ -699,3 +699,27 @@ def test_an_out_over_an_input_is_refused_before_the_model_loads(tmp_path, monkey
     err = capsys.readouterr().err
     assert err.startswith("proton-ood extract: error: the cache ") and err.count("\n") == 1 and what in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("flag, out, refused", [
+    ("--tokenizer", "oph.npz", None),
+    ("--checkpoint", "oph.npz", None),
+    ("--tokenizer", "vocab.txt", "overwrite the tokenizer"),
+    ("--checkpoint", "open_clip_model.safetensors", "overwrite the model's weights"),  # the weights file open_clip picks
+    ("--checkpoint", "open_clip_config.json", "overwrite the model's config"),
+])
+def test_an_out_in_a_folder_input_gets_the_same_answer_on_a_rerun(tmp_path, monkeypatch, capsys, flag, out, refused):
+    "An --out inside the --tokenizer or snapshot folder was accepted, then refused once the first run had written it: any existing file of the folder counted as an input."
+    def loaded(*a, **k): raise ValueError("checked")  # the model loads once every argument is found fit
+    monkeypatch.setattr(ex, "load_vlm", loaded)
+    monkeypatch.chdir(tmp_path)
+    data = make_prepared(tmp_path / "data" / "toy")
+    Path("vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n"); Path("open_clip_config.json").write_text("{}")
+    Path("open_clip_model.safetensors").write_bytes(b"weights"); Path("other.bin").write_bytes(b"not read")
+    answers = []
+    for _ in range(2):  # before the first run wrote the cache, and after
+        assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, flag, ".", "--no-progress"]) == 1
+        answers.append(capsys.readouterr().err)
+        Path(out).write_bytes(Path(out).read_bytes() if Path(out).exists() else b"a cache from the first run")
+    assert answers[0] == answers[1], answers
+    assert answers[0] == "proton-ood extract: error: checked\n" if refused is None else refused in answers[0], answers[0]

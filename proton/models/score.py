@@ -31,7 +31,7 @@ from . import model_device
 from .extract import default_workers, read_prompt_file, resolve_prompts
 from ..bench.evaluation import _check_writable
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
-from .vlm import read_image
+from .vlm import read_image, spec_weights
 
 # %% ../../nbs/47_score.ipynb
 ORDERS = ("name", "mtime", "list")
@@ -258,7 +258,8 @@ def _readable(paths:list, # every image path of the stream
 
 def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float):
     "What makes a run's numbers: a later run must match it to continue the stream."
-    return dict(model=model, checkpoint=None if checkpoint is None else os.path.abspath(checkpoint), classes=list(class_names),
+    weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path
+    return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), classes=list(class_names),
                 prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
                 reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h)
 

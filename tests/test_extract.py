@@ -668,9 +668,15 @@ def test_a_prompts_folder_is_refused_naming_it(data, tmp_path, monkeypatch, caps
     "--prompts <folder> was taken for the prompts themselves, one prompt: 'got 1 prompts for 2 classes'."
     monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the prompts were checked"))
     (tmp_path / "prompts").mkdir()
+    said = (f"{tmp_path / 'prompts'} is a folder, not a prompt file: give a prompt file, "
+            "or the prompts (on the command line, separated by commas)")
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--prompts", str(tmp_path / "prompts")]) == 1
-    assert capsys.readouterr().err == (f"proton-ood extract: error: --prompts {tmp_path / 'prompts'} is a folder: "
-                                       "give a prompt file, or the prompts separated by commas\n")
+    assert capsys.readouterr().err == f"proton-ood extract: error: {said}\n"
+    from proton.models.score import class_prompts_from
+    for call in (lambda: ex.check_extract(data, prompts=tmp_path / "prompts"), lambda: ex.check_extract(data, prompts=str(tmp_path / "prompts")),
+                 lambda: class_prompts_from(None, tmp_path / "prompts")):  # the Python API said 'no prompt file at <folder>'
+        with pytest.raises(ValueError) as e: call()
+        assert str(e.value) == said
 
 
 @pytest.mark.parametrize("out, flag, given, what", [

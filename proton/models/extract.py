@@ -47,6 +47,7 @@ from .vlm import as_rgb_image, pixels_to_float, read_image, snapshot_weights, sp
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
     "The prompts in a file: a list (one per class) or a dict (class -> prompts)."
     path = Path(path)
+    if path.is_dir(): raise ValueError(f"{path} is a folder, not a prompt file: give a prompt file, or the prompts (on the command line, separated by commas)")
     if not path.is_file(): raise FileNotFoundError(f"no prompt file at {path}")
     try: text = path.read_text(encoding="utf-8-sig")  # -sig: a byte order mark, as Windows editors write, is not part of the first prompt
     except UnicodeDecodeError as e: raise ValueError(f"cannot read the prompt file {path}: it is not UTF-8 text ({e})") from None
@@ -833,9 +834,8 @@ def _parser():
     return p
 
 def parse_prompts(text:str|None): # the --prompts argument
-    "A prompt file's path if `text` names a file, else the comma-separated prompts; a folder is refused."
-    if text is None or Path(text).is_file(): return text
-    if Path(text).is_dir(): raise ValueError(f"--prompts {text} is a folder: give a prompt file, or the prompts separated by commas")
+    "A path if `text` names a file or a folder (which `read_prompt_file` refuses), else the comma-separated prompts."
+    if text is None or Path(text).exists(): return text
     if Path(text).suffix in (".json", ".txt"): raise FileNotFoundError(f"no prompt file at {text}")
     return [p.strip() for p in text.split(",")]
 

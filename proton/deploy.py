@@ -4,8 +4,8 @@
 
 # %% auto 0
 __all__ = ['MONITOR_FORMAT', 'replace_atomically', 'save_state', 'save_detector', 'torch_load_safely', 'load_detector',
-           'hold_lock', 'same_file', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift', 'MonitorRows',
-           'Monitor', 'load_monitor', 'bank_audit']
+           'hold_lock', 'same_file', 'check_writable', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift',
+           'MonitorRows', 'Monitor', 'load_monitor', 'bank_audit']
 
 # %% ../nbs/50_deploy.ipynb
 import contextlib
@@ -13,6 +13,7 @@ import math
 import os
 import re
 import secrets
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -106,6 +107,15 @@ def same_file(a, # a path, existing or not
     "Whether `a` and `b` name one file: the same path once symbolic links are followed, or two names (hard links) of one file."
     a, b = Path(a).resolve(), Path(b).resolve()
     return a == b or (a.exists() and b.exists() and os.path.samefile(a, b))
+
+def check_writable(path): # a file to be written
+    "Raise `OSError` unless a file can be written at `path`, creating its folder if need be."
+    path = Path(path)
+    try:
+        if path.is_dir(): raise IsADirectoryError(f"{path} is a folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent): pass
+    except OSError as e: raise OSError(f"cannot write {path}: {e.strerror or e}") from None
 
 # %% ../nbs/50_deploy.ipynb
 def threshold_for_id_recall(scores_id, # scores of images known to be ID, higher = more OOD

@@ -707,6 +707,15 @@ def test_an_out_over_an_input_is_refused_before_the_model_loads(tmp_path, monkey
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(data, tmp_path, monkeypatch, capsys):
+    "--out under a file (a folder that cannot be made) failed only once the model had loaded, as evaluate and score's audit do not."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before --out was checked"))
+    (tmp_path / "a file").write_text("not a folder")
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "a file" / "c.npz"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"proton-ood extract: error: cannot write {tmp_path / 'a file' / 'c.npz'}: ") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("flag, out, refused", [
     ("--tokenizer", "oph.npz", None),
     ("--checkpoint", "oph.npz", None),

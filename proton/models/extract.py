@@ -38,7 +38,7 @@ import torch
 
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
-from ..deploy import hold_lock, same_file
+from ..deploy import check_writable, hold_lock, same_file
 from . import VLM, load_vlm, model_device, prompt_ensemble
 from ..scores import plain_number
 from .vlm import as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
@@ -718,7 +718,7 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
     share = worker_fraction(worker_share)
     if out is not None and not Path(out).name: raise ValueError(f"name the cache file to write, e.g. {folder.name}.npz; got {str(out)!r}")
     if out is not None and Path(out).is_dir(): raise ValueError(f"{out} is a folder: name the cache file to write, e.g. {Path(out) / folder.name}.npz")
-    if out is not None: _check_out(out, data_dir, inputs)
+    if out is not None: _check_out(out, data_dir, inputs); check_writable(out)  # a folder that cannot be written fails now, not after every image
     _created()  # a bad SOURCE_DATE_EPOCH is named now, not once every image is embedded
     return folder, prompts, sets, prompt_source, share
 

@@ -35,8 +35,8 @@ def _fsync_dir(path:Path):
 
 def replace_atomically(path, # destination; an existing file is replaced only once the new one is complete
                        write): # called with the temporary file, open for writing bytes, to fill it
-    "Write `path` through `write`: a temporary file beside it, fsync, rename, so a crash leaves the old file or the new one whole."
-    path = Path(path)
+    "Write `path` through `write`: a temporary file beside it, fsync, rename, so a crash leaves the old file or the new one whole; a symbolic link stays one, its target replaced."
+    given, path = Path(path), Path(path).resolve()  # the file a link points to: the rename replaces it, not the link
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:  # the permissions of any new file (the umask's), not a temporary file's 0600
@@ -48,7 +48,7 @@ def replace_atomically(path, # destination; an existing file is replaced only on
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return path
+    return given
 
 def save_state(state:dict, # tensors and plain values, e.g. `det.state_dict()`
                path): # destination file; replaced atomically

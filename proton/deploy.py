@@ -4,8 +4,8 @@
 
 # %% auto 0
 __all__ = ['MONITOR_FORMAT', 'replace_atomically', 'save_state', 'save_detector', 'torch_load_safely', 'load_detector',
-           'hold_lock', 'same_file', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift', 'MonitorRows',
-           'Monitor', 'load_monitor', 'bank_audit']
+           'hold_lock', 'same_file', 'check_writable', 'threshold_for_id_recall', 'WarmupThreshold', 'CusumDrift',
+           'MonitorRows', 'Monitor', 'load_monitor', 'bank_audit']
 
 # %% ../nbs/50_deploy.ipynb
 import contextlib
@@ -13,6 +13,7 @@ import math
 import os
 import re
 import secrets
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,8 +35,8 @@ def _fsync_dir(path:Path):
 
 def replace_atomically(path, # destination; an existing file is replaced only once the new one is complete
                        write): # called with the temporary file, open for writing bytes, to fill it
-    "Write `path` through `write`: a temporary file beside it, fsync, rename, so a crash leaves the old file or the new one whole."
-    path = Path(path)
+    "Write `path` through `write`: a temporary file beside it, fsync, rename, so a crash leaves the old file or the new one whole; a symbolic link stays one, its target replaced."
+    given, path = Path(path), Path(path).resolve()  # the file a link points to: the rename replaces it, not the link
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:  # the permissions of any new file (the umask's), not a temporary file's 0600
@@ -47,7 +48,7 @@ def replace_atomically(path, # destination; an existing file is replaced only on
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return path
+    return given
 
 def save_state(state:dict, # tensors and plain values, e.g. `det.state_dict()`
                path): # destination file; replaced atomically
@@ -106,6 +107,15 @@ def same_file(a, # a path, existing or not
     "Whether `a` and `b` name one file: the same path once symbolic links are followed, or two names (hard links) of one file."
     a, b = Path(a).resolve(), Path(b).resolve()
     return a == b or (a.exists() and b.exists() and os.path.samefile(a, b))
+
+def check_writable(path): # a file to be written
+    "Raise `OSError` unless a file can be written at `path`, creating its folder if need be."
+    path = Path(path)
+    try:
+        if path.is_dir(): raise IsADirectoryError(f"{path} is a folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent): pass
+    except OSError as e: raise OSError(f"cannot write {path}: {e.strerror or e}") from None
 
 # %% ../nbs/50_deploy.ipynb
 def threshold_for_id_recall(scores_id, # scores of images known to be ID, higher = more OOD

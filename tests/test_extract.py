@@ -668,9 +668,15 @@ def test_a_prompts_folder_is_refused_naming_it(data, tmp_path, monkeypatch, caps
     "--prompts <folder> was taken for the prompts themselves, one prompt: 'got 1 prompts for 2 classes'."
     monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the prompts were checked"))
     (tmp_path / "prompts").mkdir()
+    said = (f"{tmp_path / 'prompts'} is a folder, not a prompt file: give a prompt file, "
+            "or the prompts (on the command line, separated by commas)")
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--prompts", str(tmp_path / "prompts")]) == 1
-    assert capsys.readouterr().err == (f"proton-ood extract: error: --prompts {tmp_path / 'prompts'} is a folder: "
-                                       "give a prompt file, or the prompts separated by commas\n")
+    assert capsys.readouterr().err == f"proton-ood extract: error: {said}\n"
+    from proton.models.score import class_prompts_from
+    for call in (lambda: ex.check_extract(data, prompts=tmp_path / "prompts"), lambda: ex.check_extract(data, prompts=str(tmp_path / "prompts")),
+                 lambda: class_prompts_from(None, tmp_path / "prompts")):  # the Python API said 'no prompt file at <folder>'
+        with pytest.raises(ValueError) as e: call()
+        assert str(e.value) == said
 
 
 @pytest.mark.parametrize("out, flag, given, what", [
@@ -699,3 +705,36 @@ def test_an_out_over_an_input_is_refused_before_the_model_loads(tmp_path, monkey
     err = capsys.readouterr().err
     assert err.startswith("proton-ood extract: error: the cache ") and err.count("\n") == 1 and what in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(data, tmp_path, monkeypatch, capsys):
+    "--out under a file (a folder that cannot be made) failed only once the model had loaded, as evaluate and score's audit do not."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before --out was checked"))
+    (tmp_path / "a file").write_text("not a folder")
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "a file" / "c.npz"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"proton-ood extract: error: cannot write {tmp_path / 'a file' / 'c.npz'}: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag, out, refused", [
+    ("--tokenizer", "oph.npz", None),
+    ("--checkpoint", "oph.npz", None),
+    ("--tokenizer", "vocab.txt", "overwrite the tokenizer"),
+    ("--checkpoint", "open_clip_model.safetensors", "overwrite the model's weights"),  # the weights file open_clip picks
+    ("--checkpoint", "open_clip_config.json", "overwrite the model's config"),
+])
+def test_an_out_in_a_folder_input_gets_the_same_answer_on_a_rerun(tmp_path, monkeypatch, capsys, flag, out, refused):
+    "An --out inside the --tokenizer or snapshot folder was accepted, then refused once the first run had written it: any existing file of the folder counted as an input."
+    def loaded(*a, **k): raise ValueError("checked")  # the model loads once every argument is found fit
+    monkeypatch.setattr(ex, "load_vlm", loaded)
+    monkeypatch.chdir(tmp_path)
+    data = make_prepared(tmp_path / "data" / "toy")
+    Path("vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n"); Path("open_clip_config.json").write_text("{}")
+    Path("open_clip_model.safetensors").write_bytes(b"weights"); Path("other.bin").write_bytes(b"not read")
+    answers = []
+    for _ in range(2):  # before the first run wrote the cache, and after
+        assert extract_main(["--model", MODEL, "--data", str(data), "--out", out, flag, ".", "--no-progress"]) == 1
+        answers.append(capsys.readouterr().err)
+        Path(out).write_bytes(Path(out).read_bytes() if Path(out).exists() else b"a cache from the first run")
+    assert answers[0] == answers[1], answers
+    assert answers[0] == "proton-ood extract: error: checked\n" if refused is None else refused in answers[0], answers[0]

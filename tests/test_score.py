@@ -218,6 +218,17 @@ def test_other_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="brings its own embeddings"): run(cache, tmp_path / "x.csv", classes="a,b")
 
 
+def test_the_recorded_weights_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
+    "--checkpoint none was recorded as os.path.abspath('none'), so the stream continued from another folder was refused as 'other settings (checkpoint)'."
+    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0)["checkpoint"]
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    here = [weights("unimed-clip", "none"), weights("flair", "w.pt"), weights("open_clip:ViT-S-32/w.pt", None)]
+    monkeypatch.chdir(tmp_path / "sub")
+    assert [weights("unimed-clip", "none"), weights("flair", "../w.pt"), weights("open_clip:ViT-S-32/../w.pt", None)] == here
+    assert here == [None, str(tmp_path / "w.pt"), str(tmp_path / "w.pt")]
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
 def test_a_reference_stream_scored_with_other_settings_is_refused(tmp_path, suffix):
     "The threshold is a quantile of reference scores: scores of another detector (γ, M, model, classes) are on another scale."

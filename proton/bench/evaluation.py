@@ -14,7 +14,6 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -28,7 +27,7 @@ from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHO
                                     routed_score, split_held_out, with_stand_ins)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
-from ..deploy import replace_atomically, same_file
+from ..deploy import check_writable, replace_atomically, same_file
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
 from ..scores import as_unit_rows, compute_dtype, plain_number
@@ -468,14 +467,6 @@ def _run_experiment(name:str, caches:list, args):
     return type(results[0])(*map(stack, zip(*results))) if e.returns == "tables" else stack(results)
 
 # %% ../../nbs/23_evaluation.ipynb
-def _check_writable(out:Path): # a file to be written
-    "Raise `OSError` unless a file can be written at `out`, creating its folder if need be."
-    try:
-        if out.is_dir(): raise IsADirectoryError(f"{out} is a folder")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent): pass
-    except OSError as e: raise OSError(f"cannot write {out}: {e.strerror or e}") from None
-
 def _paths(name:str, out:Path):
     "{table: file} that experiment `name` writes next to `out`; the table is None for an experiment of one table."
     if EXPERIMENTS[name].returns == "tables":
@@ -493,7 +484,7 @@ def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
         read = [c for c in caches if same_file(c, path)]
         if read and path == stem: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
         if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
-        _check_writable(path)
+        check_writable(path)
 
 def _write_csv(df, path:Path): # a table; its file
     "Write `df` to `path` whole or not at all: a failed write keeps the old file, and a hard link to `path` keeps its content."

@@ -38,15 +38,16 @@ import torch
 
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
-from ..deploy import hold_lock, same_file
+from ..deploy import check_writable, hold_lock, same_file
 from . import VLM, load_vlm, model_device, prompt_ensemble
 from ..scores import plain_number
-from .vlm import as_rgb_image, pixels_to_float, read_image, spec_weights
+from .vlm import as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
 
 # %% ../../nbs/43_extract.ipynb
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
     "The prompts in a file: a list (one per class) or a dict (class -> prompts)."
     path = Path(path)
+    if path.is_dir(): raise ValueError(f"{path} is a folder, not a prompt file: give a prompt file, or the prompts (on the command line, separated by commas)")
     if not path.is_file(): raise FileNotFoundError(f"no prompt file at {path}")
     try: text = path.read_text(encoding="utf-8-sig")  # -sig: a byte order mark, as Windows editors write, is not part of the first prompt
     except UnicodeDecodeError as e: raise ValueError(f"cannot read the prompt file {path}: it is not UTF-8 text ({e})") from None
@@ -681,26 +682,35 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
 # %% ../../nbs/43_extract.ipynb
 def _check_out(out, # the cache file
                data, # the prepared folder: nothing of the run goes inside it
-               inputs:dict): # {what it is: path} of the other files and folders the run reads; None paths left out
+               inputs:dict): # {what it is: path} of the other files the run reads; None paths left out
     "Refuse a cache file, or its shard folder or lock, that would lie inside the prepared folder, or overwrite or hold what the run reads."
     for w in (Path(out), Path(f"{out}.shards"), Path(f"{out}.lock")):  # the shards and the lock are removed when the run ends
         whose = "" if w == Path(out) else f"'s {'shard folder' if w.suffix == '.shards' else 'lock'} {w}"
         if Path(data).resolve() in w.resolve().parents:
             raise ValueError(f"the cache {out}{whose} would write inside the prepared folder {data}; choose another file for the cache")
         for what, p in {"the prepared folder": data, **inputs}.items():
-            if p is not None and (same_file(w, p) or w.resolve() in Path(p).resolve().parents or (w.is_file() and Path(p).resolve() in w.resolve().parents)):
+            if p is not None and (same_file(w, p) or w.resolve() in Path(p).resolve().parents):
                 raise ValueError(f"the cache {out}{whose} would overwrite {what} {p}; choose another file for the cache")
+
+def _model_files(weights, # the model's weights file or snapshot folder, as `spec_weights` gives, or None
+                 tokenizer): # the tokenizer's folder or its vocab.txt, or None
+    "{what it is: file} of the files the model loads: of a snapshot folder its weights file (`snapshot_weights`) and open_clip_config.json, of a tokenizer folder its vocab.txt."
+    config = None if weights is None else Path(weights) / "open_clip_config.json"
+    snapshot = config is not None and config.is_file()
+    return {"the model's weights": snapshot_weights(weights) if snapshot else weights, "the model's config": config if snapshot else None,
+            "the tokenizer": Path(tokenizer) / "vocab.txt" if tokenizer is not None and Path(tokenizer).is_dir() else tokenizer}
 
 def check_extract(data_dir:str|os.PathLike, # a prepared folder
                   prompts=None, # as for `extract`
                   prompt_sets=None, # as for `extract`
                   out:str|os.PathLike|None=None, # as for `extract`
                   batch_size:int=64, num_workers:int|None=None, shard_size:int=256, worker_share:float=0, # as for `extract`
-                  keep:dict|None=None): # further files and folders the run reads, by what they are: {"the model's weights": path, ...}
+                  weights=None, # the model's weights file or snapshot folder, as `spec_weights` gives; None: none
+                  tokenizer=None): # the tokenizer's folder or its vocab.txt; None: none
     "(folder, prompts, prompt sets, where the prompts came from, worker share) once every argument of `extract` but the model is found fit: one line naming the first that is not, before any model loads."
     folder = read_prepared(data_dir)
     files = lambda x: x if isinstance(x, (str, os.PathLike)) else None
-    inputs = {"the prompt file": files(prompts), "the prompt sets file": files(prompt_sets), **(keep or {})}
+    inputs = {"the prompt file": files(prompts), "the prompt sets file": files(prompt_sets), **_model_files(weights, tokenizer)}
     prompt_source = "classes.json" if prompts is None else Path(prompts).name if isinstance(prompts, (str, os.PathLike)) else "argument"
     prompts, sets = resolve_prompts(prompts, folder), resolve_prompt_sets(prompt_sets, folder)
     for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
@@ -708,7 +718,7 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
     share = worker_fraction(worker_share)
     if out is not None and not Path(out).name: raise ValueError(f"name the cache file to write, e.g. {folder.name}.npz; got {str(out)!r}")
     if out is not None and Path(out).is_dir(): raise ValueError(f"{out} is a folder: name the cache file to write, e.g. {Path(out) / folder.name}.npz")
-    if out is not None: _check_out(out, data_dir, inputs)
+    if out is not None: _check_out(out, data_dir, inputs); check_writable(out)  # a folder that cannot be written fails now, not after every image
     _created()  # a bad SOURCE_DATE_EPOCH is named now, not once every image is embedded
     return folder, prompts, sets, prompt_source, share
 
@@ -734,7 +744,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     from tqdm.auto import tqdm
     weights = spec_weights(vlm if isinstance(vlm, str) else vlm.name, checkpoint)  # open_clip:<arch>/<file> names its weights itself
     folder, prompts, sets, prompt_source, share = check_extract(data_dir, prompts, prompt_sets, out, batch_size, num_workers, shard_size, worker_share,
-                                                                keep={"the model's weights": weights})
+                                                                weights)
     if isinstance(vlm, str): vlm = load_vlm(vlm, checkpoint, device=model_device(device))
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
@@ -824,9 +834,8 @@ def _parser():
     return p
 
 def parse_prompts(text:str|None): # the --prompts argument
-    "A prompt file's path if `text` names a file, else the comma-separated prompts; a folder is refused."
-    if text is None or Path(text).is_file(): return text
-    if Path(text).is_dir(): raise ValueError(f"--prompts {text} is a folder: give a prompt file, or the prompts separated by commas")
+    "A path if `text` names a file or a folder (which `read_prompt_file` refuses), else the comma-separated prompts."
+    if text is None or Path(text).exists(): return text
     if Path(text).suffix in (".json", ".txt"): raise FileNotFoundError(f"no prompt file at {text}")
     return [p.strip() for p in text.split(",")]
 
@@ -845,7 +854,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
     try:
         prompts = parse_prompts(args.prompts)  # a wrong folder, prompt or option fails before the model loads
         check_extract(args.data, prompts, False if args.no_prompt_sets else args.prompt_sets, args.out, args.batch_size, args.workers, args.shard_size, args.worker_share,
-                      keep={"the model's weights": args.checkpoint, "the tokenizer": args.tokenizer})
+                      spec_weights(args.model, args.checkpoint), args.tokenizer)
         device = _join_torchrun(str(model_device(args.device)))
         vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer)
         with warnings.catch_warnings():

@@ -24,14 +24,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, hold_lock, replace_atomically, same_file, save_state, torch_load_safely
+from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_writable, hold_lock, replace_atomically, same_file, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
 from .extract import default_workers, read_prompt_file, resolve_prompts
-from ..bench.evaluation import _check_writable
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
-from .vlm import read_image
+from .vlm import read_image, spec_weights
 
 # %% ../../nbs/47_score.ipynb
 ORDERS = ("name", "mtime", "list")
@@ -258,7 +257,8 @@ def _readable(paths:list, # every image path of the stream
 
 def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float):
     "What makes a run's numbers: a later run must match it to continue the stream."
-    return dict(model=model, checkpoint=None if checkpoint is None else os.path.abspath(checkpoint), classes=list(class_names),
+    weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path
+    return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), classes=list(class_names),
                 prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
                 reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h)
 
@@ -433,7 +433,7 @@ def check_audit_path(path:str|os.PathLike, # the audit's CSV file
              results.journal: "the results' journal", **{Path(k): what for what, k in (keep or {}).items() if k}}
     what = next((v for k, v in taken.items() if same_file(k, path)), "an image" if path.is_file() and is_image_file(path) else None)
     if what: raise ValueError(f"the audit {path.name} would overwrite {what}; choose another file for it")
-    _check_writable(path)  # a folder, or a folder it cannot write, fails now rather than once the stream is scored
+    check_writable(path)  # a folder, or a folder it cannot write, fails now rather than once the stream is scored
 
 def write_audit(out:str|os.PathLike, # the results file of `score_stream`
                 path:str|os.PathLike): # the audit's CSV file

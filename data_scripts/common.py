@@ -15,8 +15,8 @@ from pathlib import Path
 
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
-from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, check_claimable, claim_folder, image_path, write_classes_file,
-                                   write_prompt_sets, write_split_table)
+from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, check_claimable, check_unlocked, claim_folder, image_path,
+                                   write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
 from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
 
@@ -273,6 +273,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads
+    check_unlocked(args.out)
     read_split(args.split, bench.draws)
     paths, missing = {}, []
     # Kaggle sources first, so that missing credentials are reported before hours of other downloads

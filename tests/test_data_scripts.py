@@ -1,4 +1,5 @@
 """The data scripts, offline: each source's real layout as tiny generated files, downloads from a real HTTP server on 127.0.0.1."""
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from proton.bench.prepared import MARKER_FILE, check_claimable, claim_folder, read_prepared
+from proton.deploy import hold_lock
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
@@ -1313,7 +1315,8 @@ def test_a_manifest_lacking_a_source_is_named(tmp_path, change, message):
                                           ("foreign", r"out is not empty and was not made by the pathology data script"),
                                           ("hand-made", r"out is not empty and was not made by the pathology data script"),
                                           ("split", r"split\.csv: columns \['hi'\]"),
-                                          ("local", r"--local \w+=.*absent: no such file or folder")])
+                                          ("local", r"--local \w+=.*absent: no such file or folder"),
+                                          ("busy", r"another run is writing .*out; wait for it to end")])
 def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, monkeypatch, case, message):
     "Hours of downloads must not end in a folder that cannot be claimed or a split file that cannot be read."
     monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before the run's files were checked"))
@@ -1323,7 +1326,9 @@ def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, mo
     (tmp_path / "split.csv").write_text("hi\n")
     split = ["--split", str(tmp_path / "split.csv")] if case == "split" else []
     local = [f"--local={sorted(pathology.BENCHMARK.keys())[-1]}={tmp_path / 'absent'}"] if case == "local" else []
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
-        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
+    with contextlib.ExitStack() as held:
+        if case == "busy": held.enter_context(hold_lock(tmp_path / ".out.lock"))  # as a run writing out holds it
+        with pytest.raises((ValueError, OSError), match=message):
+            common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
     assert case != "foreign" or (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert case != "hand-made" or (tmp_path / "out" / "id/a/x.png").exists()

@@ -4,9 +4,9 @@
 
 # %% auto 0
 __all__ = ['SPLIT_FILE', 'CLASSES_FILE', 'PROMPT_SETS_FILE', 'MARKER_FILE', 'SPLIT_COLUMNS', 'DICOM_SUFFIXES', 'IMAGE_SUFFIXES',
-           'SKIPPED_FILES', 'FIT', 'FOLDERS', 'image_path', 'check_claimable', 'claim_folder', 'write_split_table',
-           'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker', 'is_image_file', 'open_csv',
-           'read_prepared']
+           'SKIPPED_FILES', 'FIT', 'FOLDERS', 'image_path', 'check_unlocked', 'check_claimable', 'claim_folder',
+           'write_split_table', 'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker',
+           'is_image_file', 'open_csv', 'read_prepared']
 
 # %% ../../nbs/44_data.ipynb
 import contextlib
@@ -55,6 +55,16 @@ def _maker(path:Path, # a folder, or where none is yet
     except (OSError, ValueError, AttributeError): return None  # no classes.json, or not one the data scripts wrote
     return made if isinstance(made, str) and made else None
 
+def _busy(root:Path): return BlockingIOError(f"another run is writing {root}; wait for it to end, or choose another --out")
+
+def check_unlocked(root:str|os.PathLike): # the prepared folder to (re)write
+    "Refuse a `root` that another run is writing now, holding the lock `claim_folder` takes. Changes nothing that is not stale."
+    lock = _places(Path(root).resolve())[2]
+    if not lock.exists(): return  # a run keeps its lock file as long as it writes
+    try:
+        with hold_lock(lock): pass
+    except BlockingIOError: raise _busy(Path(root).resolve()) from None
+
 def check_claimable(root:str|os.PathLike, # the prepared folder to (re)write
                     benchmark:str): # the benchmark to write there
     "Refuse a `root` that `claim_folder` must not replace: a file, a folder not written for `benchmark` by its data script, or one holding other files too. Changes nothing."
@@ -79,7 +89,7 @@ def claim_folder(root:str|os.PathLike, # the prepared folder to (re)write
     lock.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as held:
         try: held.enter_context(hold_lock(lock, remove=True))
-        except BlockingIOError: raise BlockingIOError(f"another run is writing {root}; wait for it to end, or choose another --out") from None
+        except BlockingIOError: raise _busy(root) from None
         check_claimable(root, benchmark)
         for stale in (new, old):  # what a killed run left: a half-written folder, or the one it was replacing
             if stale.exists(): shutil.rmtree(stale)

@@ -61,6 +61,7 @@ def run_chapter(path:Path, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::proton.bench.evaluation.SkippedWarning")  # these caches have no local embeddings or prompt sets, as a user's may not
+@pytest.mark.filterwarnings("error")  # a warning would show on the reader's page: a cell that warns on real caches fails
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_the_chapter_runs_on_the_real_caches(chapter, caches, monkeypatch):
     monkeypatch.setenv("PROTON_CACHES", str(caches))

@@ -403,17 +403,17 @@ def claim(holds, # whether the sentence is true of the results
     if all(c.metadata.get("simulated") for c in caches): raise AssertionError(f"the text says: {sentence}")
     print(f"On these caches, a sentence of this chapter does not hold: {sentence}")
 
+def origin(*caches): # the caches the results come from
+    "What results from `caches` are, for a label: 'simulated', 'measured', or 'measured and simulated' for a mix."
+    simulated = {bool(c.metadata.get("simulated")) for c in caches}
+    return "measured and simulated" if len(simulated) > 1 else "simulated" if simulated == {True} else "measured"
+
 def _experiment_names(text:str):
     "The experiments named in a comma-separated list, or all of them."
     names = list(EXPERIMENTS) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown or not names: raise ValueError(f"unknown experiments {unknown or [text]}: choose from {list(EXPERIMENTS)} or 'all'")
     return list(dict.fromkeys(names))
-
-def origin(*caches): # the caches the results come from
-    "What results from `caches` are, for a label: 'simulated', 'measured', or 'measured and simulated' for a mix."
-    simulated = {bool(c.metadata.get("simulated")) for c in caches}
-    return "measured and simulated" if len(simulated) > 1 else "simulated" if simulated == {True} else "measured"
 
 # %% ../../nbs/23_evaluation.ipynb
 def _parser():

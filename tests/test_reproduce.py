@@ -190,3 +190,16 @@ def test_the_report_names_the_model_behind_our_numbers(report):
     text = (report[0] / "report" / "report.md").read_text()
     for domain, paper in (("ophthalmology", "flair"), ("radiology", "unimed-clip")):  # ours from MODEL, the paper's from its own
         assert re.search(rf"{domain}: {re.escape(MODEL)}, not the paper's {paper}\b", text), text[:600]
+
+
+def test_a_cache_extracted_from_other_images_under_the_same_names_is_refused(tmp_path):
+    """A prepared folder made again (say at the model's input resolution) keeps its file names; the cache extracted from the old
+    images must not be reused for the new ones as if nothing had changed."""
+    from proton.models.reproduce import domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    again = data / "id" / "a" / "img_000.png"
+    variant(skdata.retina, 1, side=40).save(again)  # the same image at another size
+    with pytest.raises(ValueError, match=r"ophthalmology_open_clip-ViT-S-32-none.npz was extracted from other images than .*ophthalmology holds now"):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)

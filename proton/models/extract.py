@@ -8,7 +8,8 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'PIL
            'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg', 'pil_weights', 'DevicePreprocess', 'decode_jpegs',
            'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
            'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
-           'weights_sha256', 'default_workers', 'check_extract', 'extract', 'parse_prompts', 'extract_main']
+           'weights_sha256', 'images_fingerprint', 'default_workers', 'check_extract', 'extract', 'parse_prompts',
+           'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -513,6 +514,11 @@ def weights_sha256(vlm:VLM): # the model
             h.update(f"{attr}.{k}|{t.dtype}|{t.numel()}|".encode()); h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
+def images_fingerprint(folder:PreparedFolder): # a prepared folder
+    "SHA-256 of the folder's image files by name and size in bytes: it tells the same names holding other images, as when a folder is prepared again at another size."
+    sizes = [(f, p.stat().st_size if p.exists() else None) for f in folder.files for p in [folder.root / f]]
+    return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
+
 def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0):
     "SHA-256 of everything that determines the numbers in the shards."
     share = worker_fraction(worker_share)
@@ -675,7 +681,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
                 device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local,
-                n_images=len(folder), images_per_shift=counts(list(folder.shift)),
+                n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
                 library_version=__version__, torch_version=torch.__version__, created=_created())
 

@@ -20,7 +20,7 @@ from proton.bench.synth import SyntheticWorld
 
 ROOT = Path(__file__).parents[1]
 DOMAINS = ("ophthalmology", "radiology", "pathology")
-CHAPTERS = ["24_main_table", "25_ablation", "26_sensitivity", "27_robustness", "28_generality", "29_cross_domain", "30_dynamics", "31_triage"]
+CHAPTERS = ["00_intro", "24_main_table", "25_ablation", "26_sensitivity", "27_robustness", "28_generality", "29_cross_domain", "30_dynamics", "31_triage"]
 WORLDS = {  # variant -> changes to each domain's preset
     "hard": dict(seed=7, cov_shift=0.8, sem_novelty=0.2, far_alignment=0.3),
     "never calibrated": dict(seed=7, temperature=1.0),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .scores import MIN_NORM
+from .scores import MIN_NORM, classify, zero_shot_logits
 from .bank import PrototypeBank, passes_gate
 from .fusion import Welford, adaptive_fusion
 
@@ -285,18 +285,16 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     v = np.asarray(x)
     if v.shape not in shapes or v.dtype.kind != "f": return None
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
-    n = math.sqrt(float(np.vdot(v, v)))  # vdot, unlike @, does not warn when the square overflows to inf
-    if not MIN_NORM <= n < math.inf: return None  # NaN fails both comparisons
-    e = v / n
-    logits = text @ e / temperature
-    base = base_fn(torch.from_numpy(logits)[None])  # the registered base score itself, on a (1, C) view
-    if not isinstance(base, Tensor) or base.shape != (1,) or not math.isfinite(base := float(base)): return None  # the general path raises
-    k = int(logits.argmax())
-    confidence = 1 / float(np.exp(logits - logits[k]).sum())  # `top_softmax`'s formula, without a tensor's fixed cost
+    row = torch.from_numpy(v)[None]
+    n = torch.linalg.vector_norm(row, dim=1)  # the length, logits and confidence of the tensor paths, to the last bit
+    if not MIN_NORM <= float(n) < math.inf: return None  # NaN fails both comparisons
+    e = v / n.numpy()
+    base, confidence, k = classify(zero_shot_logits(row, views.tensors[0], temperature) / n[:, None], base_fn)  # a bad base score raises here
+    base, k = float(base), int(k)
     welford = Welford(welford.n, welford.mean, welford.m2)
     var, score = welford.update(base), base
     if min(counts.tolist()) >= config.k_min: score = adaptive_fusion(base, 1 - float((views.prototypes @ e).max()), var, config)[0]
-    if passes_gate(float(confidence), config.gamma):
+    if passes_gate(confidence, config.gamma):
         m = int(counts[k])
         if m == len(views.ones): _shift_up(views.address + k * entries.strides[0], entries.strides[1], m); m -= 1
         entries[k, m] = e; counts[k] = m + 1

@@ -136,3 +136,34 @@ def test_ill_conditioned_similarities_are_recomputed():
         engine.queue_entries = right
     assert len(calls) > 1  # the final bank, and at least one recomputation
     check_same(got, want, fast, slow, torch.float32)
+
+
+def near_the_gate(gamma, dtype):
+    "Images of class 0 of two (τ = 0.01, text np.eye(2, 4)) whose confidences in `dtype` lie within a few units in the last place of γ."
+    gap = 0.01 * np.log(gamma / (1 - gamma))  # the cosine gap at which the softmax of two classes gives γ
+    z = np.linspace(0, 0.5, 50)[:, None]  # a third coordinate: each length rounds the cosines differently
+    theta = np.pi / 4 - np.arcsin(gap * np.sqrt(1 + z * z) / np.sqrt(2)) + np.linspace(-30, 30, 41) * torch.finfo(dtype).eps
+    z = np.broadcast_to(z, theta.shape)
+    return np.stack([np.cos(theta), np.sin(theta), z, 0 * z], -1).reshape(-1, 4).astype(str(dtype).split(".")[1])
+
+
+@pytest.mark.parametrize("gamma", [0.7, 0.9, 0.95])
+def test_a_confidence_that_rounds_to_gamma_is_gated_alike_on_every_path(gamma):
+    "float32 confidences equal to float32(γ): one image at a time gates them as one call (the engine) and chunks (the steps) do."
+    T, dt = np.eye(2, 4), torch.float32
+    cfg = ProtonConfig(gamma=gamma, k_min=1, bank_size=64, temperature=0.01)
+    E = near_the_gate(gamma, dt)
+    confidence = Proton(T, cfg, dtype=dt)._classify(*as_rows(E, dtype=dt))[1]
+    at = E[(confidence == torch.tensor(gamma, dtype=dt)).numpy()]
+    assert len(at) >= 4
+    S = np.concatenate([[[0.1, 0.9, 0.3, 0]], np.resize(at, (40, 4)), [[0.5, 0.2, 0.6, 0.3]] * 3]).astype(np.float32)
+    one, call, chunks = (Proton(T, cfg, dtype=dt) for _ in range(3))
+    scores, enqueued = [], []
+    for x in S:  # the one-image path
+        n = int(one.bank.counts.sum()); scores.append(one.score(x)); enqueued.append(int(one.bank.counts.sum()) > n)
+    whole = call.score(S, return_parts=True)
+    parts = [chunks.score(S[a:a + 5], return_parts=True) for a in range(0, len(S), 5)]
+    assert torch.equal(torch.tensor(enqueued), whole.enqueued) and torch.equal(torch.cat([p.enqueued for p in parts]), whole.enqueued)
+    tol = 1e-5 + 4 * torch.finfo(dt).eps / 0.01  # as the parity of the paths in test_promises
+    for got in (torch.cat(scores), torch.cat([p.score for p in parts])): assert (got - whole.score).abs().max() <= tol
+    for det in (one, chunks): assert torch.equal(det.bank.counts, call.bank.counts) and torch.equal(det.bank.entries, call.bank.entries)

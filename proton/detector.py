@@ -116,7 +116,8 @@ def _classify(self:Proton,
         if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")
         out = (base, *classify(logits, lambda l: base)[1:])
     if routed is None: return out
-    return out[0], (logits.gather(1, routed[:, None]).squeeze(1) - logits.logsumexp(1)).exp(), routed
+    w = (logits - logits.amax(1, keepdim=True)).exp()  # as `top_softmax`: the zero-shot class's probability is 1 / w.sum() to the last bit
+    return out[0], w.gather(1, routed[:, None]).squeeze(1) / w.sum(1), routed
 Proton._classify = _classify
 
 def class_indices(values, # classes, one per image: an integer array, tensor or list

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import proton.engine as engine
+from proton.engine import STEP_MAX
 from proton import Proton, ProtonConfig, ProtonParts
 from proton.scores import as_rows, as_unit_rows
 from reference import clustered_stream
@@ -167,3 +168,18 @@ def test_a_confidence_that_rounds_to_gamma_is_gated_alike_on_every_path(gamma):
     tol = 1e-5 + 4 * torch.finfo(dt).eps / 0.01  # as the parity of the paths in test_promises
     for got in (torch.cat(scores), torch.cat([p.score for p in parts])): assert (got - whole.score).abs().max() <= tol
     for det in (one, chunks): assert torch.equal(det.bank.counts, call.bank.counts) and torch.equal(det.bank.entries, call.bank.entries)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_routing_each_image_to_its_own_class_changes_nothing_at_the_gate(dtype):
+    "Confidences within a few units in the last place of γ: routed to their own zero-shot class, every image scores and gates bit for bit as unrouted."
+    T = np.eye(2, 4)
+    cfg = ProtonConfig(k_min=1, bank_size=8, temperature=0.01)
+    E = near_the_gate(cfg.gamma, dtype)
+    for size in (STEP_MAX, len(E)):  # the step path, the engine
+        plain, routed = Proton(T, cfg, dtype=dtype), Proton(T, cfg, dtype=dtype)
+        for a in range(0, len(E), size):
+            want = plain.score(E[a:a + size], return_parts=True)
+            got = routed.score(E[a:a + size], return_parts=True, routed=want.predicted)
+            for name in ("score", "base", "alpha", "enqueued", "predicted"): assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(routed.bank.entries, plain.bank.entries) and torch.equal(routed.bank.counts, plain.bank.counts)

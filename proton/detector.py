@@ -18,7 +18,7 @@ from torch import Tensor
 from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, compute_dtype, get_base_score, zero_shot_logits
 from .bank import PrototypeBank, passes_gate
 from .proto import proto_score
-from .fusion import Welford, adaptive_fusion
+from .fusion import MAX_BASE, Welford, adaptive_fusion
 from .engine import STEP_MAX, BankViews, ChunkBuffers, chunk_size, scan_chunk, score_one
 
 # %% ../nbs/14_detector.ipynb
@@ -115,6 +115,8 @@ def _classify(self:Proton,
         base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
         if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")
         out = (base, *classify(logits, lambda l: base)[1:])
+    if (out[0].abs() > MAX_BASE).any():
+        raise ValueError(f"base scores must lie within ±{MAX_BASE:g}, where their squares cannot overflow the running variance; got one of magnitude {float(out[0].abs().max()):.3g}")
     if routed is None: return out
     w = (logits - logits.amax(1, keepdim=True)).exp()  # as `top_softmax`: the zero-shot class's probability is 1 / w.sum() to the last bit
     return out[0], w.gather(1, routed[:, None]).squeeze(1) / w.sum(1), routed

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .scores import MIN_NORM, classify, zero_shot_logits
 from .bank import PrototypeBank, passes_gate
-from .fusion import Welford, adaptive_fusion
+from .fusion import MAX_BASE, Welford, adaptive_fusion
 
 # %% ../nbs/15_engine.ipynb
 def running_variance(base:Tensor, # (N,) base scores of the batch, in stream order
@@ -291,6 +291,7 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     e = v / n.numpy()
     base, confidence, k = classify(zero_shot_logits(row, views.tensors[0], temperature) / n[:, None], base_fn)  # a bad base score raises here
     base, k = float(base), int(k)
+    if abs(base) > MAX_BASE: return None  # the general path raises
     welford = Welford(welford.n, welford.mean, welford.m2)
     var, score = welford.update(base), base
     if min(counts.tolist()) >= config.k_min: score = adaptive_fusion(base, 1 - float((views.prototypes @ e).max()), var, config)[0]

@@ -69,6 +69,32 @@ def test_misbehaving_base_score_is_refused():
     assert det.welford.n == 0
 
 
+
+@pytest.mark.parametrize("n", [1, 10, 80])  # one image, the step path, the engine
+@pytest.mark.parametrize("how", ["callable", "base="])
+def test_a_base_score_too_large_for_the_running_variance_is_refused_and_state_kept(n, how):
+    "Finite base scores of 1e158 overflowed the running variance: NaN scores from the engine, moments that no longer load."
+    scale = [1.]
+    cfg = ProtonConfig(bank_size=10, k_min=2, temperature=0.2, base_score=lambda logits: -logits.amax(-1) * scale[0])
+    det = Proton(T, cfg)
+    det.score(E[:100])
+    before = snapshot(det)
+    base = np.r_[np.zeros(n - 1), -1e158]  # only the last image's score is too large
+    with pytest.raises(ValueError, match=r"base scores must lie within ±1e\+100"):
+        if how == "callable": scale[0] = 1e158; det.score(E[100:100 + n])
+        else: det.score(E[100:100 + n], base=base)
+    assert same_state(snapshot(det), before)
+
+
+@pytest.mark.parametrize("n", [10, 80])  # the step path, the engine
+def test_base_scores_at_the_bound_keep_the_running_variance_finite(n):
+    from proton.fusion import MAX_BASE
+    det = Proton(T, CFG)
+    base = np.where(np.arange(n) % 2, MAX_BASE, -MAX_BASE)
+    scores = torch.cat([det.score(E[a:a + n], base=base) for a in range(0, 160, n)])
+    assert torch.isfinite(scores).all()
+    Proton(T, CFG).load_state_dict(det.state_dict())  # moments a stream could produce
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(gamma=0.0), "gamma must be in"), (dict(gamma=1.5), "gamma must be in"),
     (dict(bank_size=4, k_min=5), "bank_size must be an integer at least k_min"),

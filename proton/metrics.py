@@ -78,6 +78,7 @@ def ood_metrics(scores_id, # (N_id,) scores of ID images, higher = more OOD
     recall = _check_recall(recall)
     y = np.r_[np.zeros(len(s_id)), np.ones(len(s_ood))]
     s = np.r_[s_id, s_ood]
-    return dict(auroc=float(roc_auc_score(y, s)), aupr_out=float(average_precision_score(y, s)),
-                aupr_in=float(average_precision_score(1 - y, -s)),
+    unit = lambda v: min(1., max(0., float(v)))  # scikit-learn's sums can round past 1: AP 1.0000000000000002 for 1 ID and 20 OOD scores
+    return dict(auroc=unit(roc_auc_score(y, s)), aupr_out=unit(average_precision_score(y, s)),
+                aupr_in=unit(average_precision_score(1 - y, -s)),
                 fpr95=_fpr(s_id, s_ood, recall, convention), fpr95_ood=_fpr(s_id, s_ood, recall, "openood"))

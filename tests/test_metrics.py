@@ -98,3 +98,12 @@ def test_the_conventions_differ_where_recall_moves_in_coarse_steps():
     values = {c: ood_metrics(s_id, s_ood, convention=c)["fpr95"] for c in PEERS}
     assert len(set(values.values())) == 3, values
     with pytest.raises(ValueError, match="unknown FPR95 convention 'sklearn'"): ood_metrics(s_id, s_ood, convention="sklearn")
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(1, 40), st.integers(1, 40), st.booleans())
+def test_every_metric_lies_in_0_1(n_id, n_ood, reversed_):
+    "scikit-learn's average precision of perfectly separated scores can round to 1.0000000000000002 (1 ID and 20 OOD scores)."
+    s_id, s_ood = np.arange(n_id) - n_id, np.arange(n_ood) + 1.
+    m = ood_metrics(*((s_ood, s_id) if reversed_ else (s_id, s_ood)))
+    assert all(0 <= v <= 1 for v in m.values()), m

@@ -93,12 +93,12 @@ def plain_number(value, # a Python, numpy or 0-d torch number
     return int(v) if float(v).is_integer() else None
 
 def check_temperature(temperature): # τ, from a configuration, a cache or a model
-    "`temperature` as a float; a `ValueError` unless it is a positive, finite real number whose 1/τ float32 can hold."
+    "`temperature` as a float; a `ValueError` unless it is a positive, finite real number whose 2/τ float32 can hold (logits reach ±1/τ, a rounding more, and differ by up to 2/τ)."
     t = plain_number(temperature)
     if t is None: raise ValueError(f"temperature must be a positive, finite number, got {temperature!r}")
     if not 0 < t < math.inf: raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if not torch.isfinite(torch.tensor(1.) / t):  # the logit of a cosine of 1, computed as `zero_shot_logits` does
-        raise ValueError(f"temperature {temperature} is too small: 1/τ overflows float32, so the logits would be infinite; τ must exceed {1 / torch.finfo(torch.float32).max:.4g}")
+    if not torch.isfinite(torch.tensor(2.) / t):  # the logit of a cosine of 2, computed as `zero_shot_logits` does: room for a cosine rounded above 1
+        raise ValueError(f"temperature {temperature} is too small: 2/τ, the widest gap between two logits, overflows float32, so scores would be infinite or NaN; τ must exceed {2 / torch.finfo(torch.float32).max:.4g}")
     return t
 
 # %% ../nbs/10_scores.ipynb
@@ -121,9 +121,10 @@ def energy_score(logits:Tensor): # (N, C) zero-shot logits
     return -logits.logsumexp(-1)
 
 def entropy_score(logits:Tensor): # (N, C) zero-shot logits
-    "Shannon entropy of the softmax distribution."
+    "Shannon entropy of the softmax distribution; a class of probability 0 adds 0 (its log-probability may be -inf)."
     logp = logits.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    return -(p * logp).where(p > 0, 0).sum(-1)
 
 # %% ../nbs/10_scores.ipynb
 BASE_SCORES = {"mcm": mcm_score, "max_logit": max_logit_score, "energy": energy_score, "entropy": entropy_score}

@@ -5,10 +5,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from proton.bench.baselines import (BASELINES, PROMPT_POOLINGS, HeldOut, baseline_scores, ensemble_text_embeddings, fit_knn,
                               fit_mahalanobis, gl_mcm_score, prompt_mcm_score, split_held_out, static_score)
-from proton.scores import BASE_SCORES
+from proton.scores import BASE_SCORES, check_temperature
 
 
 def unit(x):
@@ -149,6 +150,24 @@ def test_static_scores_reuse_base_scores(name):
     logits = torch.as_tensor(unit(E) @ unit(T).T / .1)
     np.testing.assert_allclose(static_score(name, E, T, .1).numpy(), BASE_SCORES[name](logits).numpy(), rtol=1e-12)
     np.testing.assert_allclose(baseline_scores(name, E, T, .1).numpy(), BASE_SCORES[name](logits).numpy(), rtol=1e-12)
+
+
+TINY = 1 / float(np.finfo(np.float32).max)  # below it 1/τ overflows float32, below twice it 2/τ does
+
+
+@settings(max_examples=300, deadline=None)
+@given(tau=st.one_of(*(st.floats(k * TINY, k * TINY * 1.000001) for k in (1, 2)), st.floats(TINY, 1e-36), st.floats(-39, 3).map(lambda e: 10 ** e)),
+       seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([np.float16, np.float32, np.float64]))
+def test_every_static_score_is_finite_for_every_accepted_temperature(tau, seed, dtype):
+    "τ = 3e-39 passed check_temperature, but logit differences of 2/τ overflowed float32 and entropy computed 0·(-inf) = NaN; a cosine rounded above 1 over τ overflowed too."
+    try: check_temperature(tau)
+    except ValueError: return  # refused, with a message: nothing to score
+    rng = np.random.default_rng(seed)
+    t = rng.normal(size=(64, 512))
+    T = np.concatenate([t, -t[:1]])  # a class and its opposite: logits 1/τ and -1/τ, two apart
+    E = np.concatenate([T, -T, rng.normal(size=(5, 512))]).astype(dtype)  # cosines of ±1 (some rounded above 1) and others
+    for name in BASE_SCORES:
+        assert torch.isfinite(static_score(name, E, T.astype(dtype), tau)).all(), name
 
 
 PROMPT_BASELINES = {"prompt_ensemble_mcm": "embedding", "hier_mcm": "logit", "tag_mcm": "score"}

@@ -324,6 +324,26 @@ def test_bad_fields_are_refused_naming_them(change, message):
         small(**change)
 
 
+SETS = dict(prompt_embeddings=np.eye(3, 5), prompts=["a", "b", "c"], prompt_class=[0, 1, 2], prompt_set=["L1"] * 3)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(class_names=["a", "b\udce4", "c"]), "class_names[1]"),
+    (dict(source=[f"scan_{i}\udce4.png" for i in range(7)]), "source[0]"),
+    (dict(metadata={"dataset": "Pr\udce4parat"}), "metadata['dataset']"),
+    (dict(metadata={"skipped_files": [{"file": "x\udce4.png"}]}), "metadata['skipped_files'][0]['file']"),
+    (dict(metadata={"Pr\udce4parat": 1}), "a key of metadata"),
+    (dict(SETS, prompts=["a", "b", "c\udce4"]), "prompts[2]"),
+    (dict(SETS, prompt_set=["L\udce4"] * 3), "prompt_set[0]"),
+])
+def test_text_that_utf8_cannot_encode_is_refused_naming_the_field(change, field):
+    "Names with lone surrogates (os.fsdecode of a folder name in latin-1) were accepted, then save and content_hash raised a bare UnicodeEncodeError."
+    with pytest.raises(ValueError) as e: small(**change)
+    said = str(e.value)
+    assert said.startswith(f"{field} holds ") and "\\udce4" in said and "not UTF-8 text" in said and "\n" not in said, said
+    said.encode("utf-8")  # the message itself can be printed anywhere
+
+
 def test_torch_inputs_are_accepted():
     import torch
     c = small(image_embeddings=torch.as_tensor(small().image_embeddings), labels=torch.tensor([0, 2, 1, 0, -1, -1, -1]))

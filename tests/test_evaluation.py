@@ -93,6 +93,16 @@ def test_held_out_images_never_enter_a_stream(cache, monkeypatch):
     assert any("knn_id (held_out_fraction=0" in m for m in messages)
 
 
+def test_streams_depend_on_the_methods_only_on_a_cache_without_a_fit_split(cache):
+    "The evaluation chapter said the streams never depend on the methods asked for; on a cache without a fit split a privileged method holds ID images out."
+    fitted = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=100, n_per_shift=50, n_fit=20)
+    for c, same in ((fitted, True), (cache, False)):
+        alone, _ = quiet_evaluate(c, ["mcm"], n_permutations=1)
+        beside, _ = quiet_evaluate(c, ["mcm", "knn_id"], n_permutations=1)
+        beside = beside[beside.method == "mcm"].reset_index(drop=True)
+        assert alone.equals(beside) == same and (set(beside.n_id) == {100 if same else 80})
+
+
 def test_unknown_method_and_stream_without_id_images(cache):
     with pytest.raises(ValueError, match="unknown method 'msp'"): evaluate(cache, ["msp"], progress=False)
     with pytest.raises(ValueError, match="the cache has no ID images"):

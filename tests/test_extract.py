@@ -633,6 +633,22 @@ def test_bad_options_are_named_before_the_model_loads(data, tmp_path, monkeypatc
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("rename, to, said", [  # "\udce4": a latin-1 "ä" (byte 0xe4) on disk, as os.fsdecode reads it
+    ("", "Pr\udce4parat", "the prepared folder's name 'Pr\\udce4parat'"),
+    ("id/normal", "id/norm\udce4l", "a class of the prepared folder 'norm\\udce4l'"),
+    ("id/normal/moon.png", "id/normal/m\udce4\udce4n.png", "a file of the prepared folder 'id/normal/m\\udce4\\udce4n.png'"),
+])
+def test_names_that_are_not_utf8_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, rename, to, said):
+    "A folder, class or file name in latin-1 bytes: every image was embedded, then the save died with \"'utf-8' codec can't encode character '\\udce4'\"."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the names were checked"))
+    root = make_prepared(tmp_path / (to if not rename else "prep"), split=False, classes=False)
+    if rename: (root / rename).rename(root / to)
+    assert extract_main(["--model", MODEL, "--data", str(root), "--out", str(tmp_path / "c.npz"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"proton-ood extract: error: {said} is not UTF-8 text") and "rename it" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c.npz").exists() and not (tmp_path / "c.npz.shards").exists()
+
+
 def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):
     root = tmp_path / "p"
     for rel, content in {"fit/normal/a.png": None, "fit/glaucoma/b.png": None, "id/normal/c.png": b"junk", "id/glaucoma/d.png": b"junk"}.items():

@@ -37,7 +37,7 @@ import numpy as np
 import PIL
 import torch
 
-from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, read_npz, write_npz_atomic
+from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, not_utf8, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
 from ..deploy import check_writable, hold_lock, same_file
 from . import VLM, load_vlm, model_device, prompt_ensemble
@@ -715,6 +715,10 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
                   tokenizer=None): # the tokenizer's folder or its vocab.txt; None: none
     "(folder, prompts, prompt sets, where the prompts came from, worker share) once every argument of `extract` but the model is found fit: one line naming the first that is not, before any model loads."
     folder = read_prepared(data_dir)
+    for what, names in (("the prepared folder's name", folder.name), ("a class of the prepared folder", [*folder.classes, *folder.class_names]),
+                        ("a file of the prepared folder", folder.files)):  # what the cache records of the folder
+        bad = not_utf8(names, what)
+        if bad: raise ValueError(f"{what} {bad[1]!r} is not UTF-8 text (a name in another encoding?) and cannot be written to a cache; rename it")
     files = lambda x: x if isinstance(x, (str, os.PathLike)) else None
     inputs = {"the prompt file": files(prompts), "the prompt sets file": files(prompt_sets), **_model_files(weights, tokenizer)}
     prompt_source = "classes.json" if prompts is None else Path(prompts).name if isinstance(prompts, (str, os.PathLike)) else "argument"

@@ -65,6 +65,17 @@ def test_a_killed_run_resumes_to_identical_results(tmp_path, monkeypatch, k):
     assert (tmp_path / "killed.csv").read_bytes() == (tmp_path / "once.csv").read_bytes()
 
 
+def test_a_cache_whose_source_names_repeat_is_refused_before_any_file(tmp_path):
+    "Two sites export IM000000...: a cache's rows are known by their source names, so a repeated name would leave images without a row on resume."
+    from dataclasses import replace
+    c = EmbeddingCache.load(cache_file(tmp_path / "c.npz", 70))
+    replace(c, source=[f"IM{i % 35:06d}" for i in range(70)]).save(tmp_path / "dup.npz")
+    with pytest.raises(ValueError, match=r"dup\.npz names 'IM000000' more than once"): run(tmp_path / "dup.npz", tmp_path / "r.csv")
+    assert not list(tmp_path.glob("r.csv*"))
+    replace(c, source=[f"site{'AB'[i // 35]}/IM{i % 35:06d}" for i in range(70)]).save(tmp_path / "dup.npz")  # distinct names: one row each
+    assert run(tmp_path / "dup.npz", tmp_path / "r.csv") == (70, 70)
+
+
 def test_the_audit_names_the_bank_entries(tmp_path):
     cache = cache_file(tmp_path / "c.npz")
     run(cache, tmp_path / "r.csv")

@@ -351,6 +351,9 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         c = EmbeddingCache.load(source)
         if order not in (None, "list", "name"): raise ValueError(f"a cache is scored in its own order ('list') or by name, not {order!r}")
         names = list(c.source) if c.source is not None else [f"{source.name}#{i}" for i in range(len(c))]
+        seen = set()  # a row is known by its name, not its position: a grown cache (re-extracted, sorted by name) continues the stream
+        twice = next((p for p in names if p in seen or seen.add(p)), None)
+        if twice is not None: raise ValueError(f"the cache {source} names {twice!r} more than once in its source; its images need distinct names to be scored as a stream")
         rank = sorted(range(len(c)), key=names.__getitem__) if order == "name" else range(len(c))
         paths, embeddings = [names[i] for i in rank], c.image_embeddings[list(rank)]
         class_names, text, temperature, model, prompt_map = list(c.class_names), c.text_embeddings, c.temperature, f"cache:{os.path.abspath(source)}", None

@@ -685,6 +685,20 @@ def test_an_image_whose_name_is_not_utf8_is_left_out_with_a_warning_naming_it(tm
     assert len((tmp_path / "r.csv").read_text(encoding="utf-8").splitlines()) == 4
 
 
+def test_a_file_list_reaching_a_name_that_is_not_utf8_leaves_it_out_with_a_warning_naming_it(tmp_path, random_vlm):
+    "The list names 3.png, a link to the Latin-1 name a Windows share wrote: left out as from a folder, not a stream stopped at every run."
+    folder = photo_folder(tmp_path / "in", n=4, broken=())
+    os.rename(folder / "3.png", os.fsencode(folder) + b"/scan-\xe9.png")
+    os.symlink(b"scan-\xe9.png", folder / "3.png")
+    (tmp_path / "list.txt").write_text("in/0.png\nin/1.png\nin/2.png\nin/3.png\n")
+    with pytest.warns(UserWarning, match=r"not UTF-8.*scan-\\udce9\.png"):
+        assert run_images(tmp_path / "list.txt", tmp_path / "r.csv", random_vlm) == (3, 3)
+    odd = os.fsencode(tmp_path) + b"/caf\xe9"  # a list in a folder whose own name is not UTF-8: none of its images can be written
+    os.mkdir(odd); shutil.copy(folder / "0.png", odd + b"/0.png"); (Path(os.fsdecode(odd)) / "list.txt").write_text("0.png\n")
+    with pytest.raises(ValueError, match=r"not UTF-8 text.*caf\\udce9/0\.png"): run_images(Path(os.fsdecode(odd)) / "list.txt", tmp_path / "s.csv", random_vlm)
+    assert not list(tmp_path.glob("s.csv*"))
+
+
 @pytest.mark.parametrize("flag,what", [("--prompts", "the prompt file"), ("--checkpoint", "the model's weights")])
 def test_the_command_refuses_an_audit_over_its_prompt_file_or_weights(tmp_path, flag, what):
     folder = photo_folder(tmp_path / "in", n=2, broken=())

@@ -347,6 +347,15 @@ def test_a_killed_run_with_an_unreadable_image_resumes_to_identical_results(tmp_
     assert (tmp_path / "killed.csv").read_text() == (tmp_path / "once.csv").read_text()
 
 
+def test_a_malformed_dicom_file_is_left_out_with_a_warning_naming_it(tmp_path, random_vlm):
+    "A multi-valued RescaleSlope (one value in the standard) makes one file unreadable, not the stream."
+    from test_dicom import write_dicom
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    write_dicom(folder / "IM000001", (np.arange(64 * 64) % 4096).astype(np.uint16).reshape(64, 64), RescaleSlope=[1, 1])
+    with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*IM000001: .*RescaleSlope"):
+        assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
+
+
 def test_no_readable_image_at_all_is_an_error(tmp_path, random_vlm):
     folder = photo_folder(tmp_path / "in", n=2, broken=(0, 1))
     with pytest.raises(ValueError, match=r"none of the 2 images .* could be read, e\.g\. .*0\.png"):

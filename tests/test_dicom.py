@@ -3,10 +3,14 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 pydicom = pytest.importorskip("pydicom")
+from pydicom.datadict import tag_for_keyword
+from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.encaps import encapsulate
+from pydicom.tag import Tag
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
 
 from proton.models.vlm import as_rgb_image, read_image
@@ -122,3 +126,32 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
     assert "\n" not in str(e.value), "one line, as warnings and the command print it"
     monkeypatch.setitem(sys.modules, "pydicom", None)
     with pytest.raises(ImportError, match=r'pip install "proton-ood\[data\]"'): read_image(frames)
+
+
+def with_raw_tag(path, keyword, raw):
+    "`path` with the element `keyword` holding the bytes `raw`, unchecked, as a faulty export writes it."
+    ds, tag = pydicom.dcmread(path), Tag(tag_for_keyword(keyword))
+    raw += b" " * (len(raw) % 2)  # elements have an even length
+    ds[tag] = RawDataElement(tag, pydicom.datadict.dictionary_VR(tag), len(raw), raw, 0, False, True)
+    ds.save_as(path)
+    return path
+
+
+def test_a_rescale_with_two_values_or_no_finite_value_is_named_with_its_file_and_tag(tmp_path):
+    "RescaleSlope and RescaleIntercept hold one number (VM 1): [1, 1] has no agreed reading, nan or inf would make the image black."
+    for k, (keyword, raw) in enumerate([("RescaleSlope", b"1\\1"), ("RescaleIntercept", b"0\\-1024"), ("RescaleSlope", b"nan"), ("RescaleIntercept", b"inf")]):
+        path = with_raw_tag(write_dicom(tmp_path / f"IM00000{k}", RAMP16 >> 4), keyword, raw)
+        with pytest.raises(ValueError, match=f"IM00000{k}.*{keyword}"): read_image(path)
+
+
+NUMBER_TAGS = ["RescaleSlope", "RescaleIntercept", "WindowCenter", "WindowWidth", "NumberOfFrames", "SamplesPerPixel"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keyword=st.sampled_from(NUMBER_TAGS), value=st.one_of(st.text(alphabet="0123456789.-+eEnaif \\", max_size=12).map(str.encode), st.binary(max_size=8)))
+@example(keyword="RescaleSlope", value=b"1\\1")
+def test_a_malformed_number_in_any_tag_read_is_a_value_error_naming_the_file(tmp_path, keyword, value):
+    "Any value in the tags the reading uses gives an image or a ValueError naming the file, which a stream leaves out with a warning: never another error."
+    path = with_raw_tag(write_dicom(tmp_path / "IM000001", RAMP16 >> 4, WindowCenter=2000, WindowWidth=1000), keyword, value)
+    try: assert read_image(path).dtype == np.uint8
+    except ValueError as e: assert str(path) in str(e), str(e)

@@ -65,6 +65,17 @@ def test_a_killed_run_resumes_to_identical_results(tmp_path, monkeypatch, k):
     assert (tmp_path / "killed.csv").read_bytes() == (tmp_path / "once.csv").read_bytes()
 
 
+def test_a_cache_whose_source_names_repeat_is_refused_before_any_file(tmp_path):
+    "Two sites export IM000000...: a cache's rows are known by their source names, so a repeated name would leave images without a row on resume."
+    from dataclasses import replace
+    c = EmbeddingCache.load(cache_file(tmp_path / "c.npz", 70))
+    replace(c, source=[f"IM{i % 35:06d}" for i in range(70)]).save(tmp_path / "dup.npz")
+    with pytest.raises(ValueError, match=r"dup\.npz names 'IM000000' more than once"): run(tmp_path / "dup.npz", tmp_path / "r.csv")
+    assert not list(tmp_path.glob("r.csv*"))
+    replace(c, source=[f"site{'AB'[i // 35]}/IM{i % 35:06d}" for i in range(70)]).save(tmp_path / "dup.npz")  # distinct names: one row each
+    assert run(tmp_path / "dup.npz", tmp_path / "r.csv") == (70, 70)
+
+
 def test_the_audit_names_the_bank_entries(tmp_path):
     cache = cache_file(tmp_path / "c.npz")
     run(cache, tmp_path / "r.csv")
@@ -334,6 +345,15 @@ def test_a_killed_run_with_an_unreadable_image_resumes_to_identical_results(tmp_
     monkeypatch.setattr(score_module, "save_state", save_state)
     with pytest.warns(UserWarning, match="1 of"): run_images(folder, tmp_path / "killed.csv", random_vlm)
     assert (tmp_path / "killed.csv").read_text() == (tmp_path / "once.csv").read_text()
+
+
+def test_a_malformed_dicom_file_is_left_out_with_a_warning_naming_it(tmp_path, random_vlm):
+    "A multi-valued RescaleSlope (one value in the standard) makes one file unreadable, not the stream."
+    from test_dicom import write_dicom
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    write_dicom(folder / "IM000001", (np.arange(64 * 64) % 4096).astype(np.uint16).reshape(64, 64), RescaleSlope=[1, 1])
+    with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*IM000001: .*RescaleSlope"):
+        assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
 
 
 def test_no_readable_image_at_all_is_an_error(tmp_path, random_vlm):
@@ -672,6 +692,20 @@ def test_an_image_whose_name_is_not_utf8_is_left_out_with_a_warning_naming_it(tm
     with pytest.warns(UserWarning, match=r"not UTF-8.*caf\\udce9\.png|caf.*not UTF-8"):
         assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
     assert len((tmp_path / "r.csv").read_text(encoding="utf-8").splitlines()) == 4
+
+
+def test_a_file_list_reaching_a_name_that_is_not_utf8_leaves_it_out_with_a_warning_naming_it(tmp_path, random_vlm):
+    "The list names 3.png, a link to the Latin-1 name a Windows share wrote: left out as from a folder, not a stream stopped at every run."
+    folder = photo_folder(tmp_path / "in", n=4, broken=())
+    os.rename(folder / "3.png", os.fsencode(folder) + b"/scan-\xe9.png")
+    os.symlink(b"scan-\xe9.png", folder / "3.png")
+    (tmp_path / "list.txt").write_text("in/0.png\nin/1.png\nin/2.png\nin/3.png\n")
+    with pytest.warns(UserWarning, match=r"not UTF-8.*scan-\\udce9\.png"):
+        assert run_images(tmp_path / "list.txt", tmp_path / "r.csv", random_vlm) == (3, 3)
+    odd = os.fsencode(tmp_path) + b"/caf\xe9"  # a list in a folder whose own name is not UTF-8: none of its images can be written
+    os.mkdir(odd); shutil.copy(folder / "0.png", odd + b"/0.png"); (Path(os.fsdecode(odd)) / "list.txt").write_text("0.png\n")
+    with pytest.raises(ValueError, match=r"not UTF-8 text.*caf\\udce9/0\.png"): run_images(Path(os.fsdecode(odd)) / "list.txt", tmp_path / "s.csv", random_vlm)
+    assert not list(tmp_path.glob("s.csv*"))
 
 
 @pytest.mark.parametrize("flag,what", [("--prompts", "the prompt file"), ("--checkpoint", "the model's weights")])

@@ -64,6 +64,16 @@ def _is_text(path:str):
     except UnicodeEncodeError: return False
     return True
 
+def _text_only(paths:list, # real paths of images, in stream order
+               source:Path): # the folder or file list that gave them
+    "`paths` less those whose names are not UTF-8 text, which a results file cannot hold: left out with a warning that names the first, an error if no image is left."
+    odd = [p for p in paths if not _is_text(p)]
+    if not odd: return paths
+    if len(odd) == len(paths): raise ValueError(f"the names of the images in {source} are not UTF-8 text, as the results need; rename them (first: {odd[0]!r})")
+    warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {source} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
+                  f"and cannot be written to the results; rename {'them' if len(odd) > 1 else 'it'} (first: {odd[0]!r})", UnreadableImagesWarning, stacklevel=4)
+    return [p for p in paths if _is_text(p)]
+
 def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden files and folders left out) or a file list
                 order:str|None=None): # "name", "mtime" or "list"; None: "list" for a file list, "name" for a folder
     "The real paths (absolute, links resolved: an image's identity) of the images to score, in stream order."
@@ -74,17 +84,12 @@ def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden
         found = [os.path.abspath(p) for p in source.rglob("*")  # hidden: macOS's ._ files, .ipynb_checkpoints
                  if not any(part.startswith(".") for part in p.relative_to(source).parts) and p.is_file() and is_image_file(p)]
         paths = list(dict.fromkeys(map(os.path.realpath, _ordered(found, order or "name"))))  # in the order found; a link to an image is that image
-        odd = [p for p in paths if not _is_text(p)]
-        if odd:
-            warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {source} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
-                          f"and cannot be written to the results; rename {'them' if len(odd) > 1 else 'it'} (first: {odd[0]!r})", UnreadableImagesWarning, stacklevel=3)
-            paths = [p for p in paths if _is_text(p)]
         if not paths: raise ValueError(f"no images in {source} (looked for {', '.join(IMAGE_SUFFIXES)} and DICOM files, in every subfolder)")
-        return paths
+        return _text_only(paths, source)
     if not source.exists(): raise ValueError(f"no image folder or file list at {source}")
     paths = read_file_list(source)
     if not paths: raise ValueError(f"the file list {source} names no images")
-    return _ordered(paths, order or "list")
+    return _ordered(_text_only(paths, source), order or "list")
 
 # %% ../../nbs/47_score.ipynb
 def row_columns(class_names:list): # C class names, in label order
@@ -351,6 +356,9 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         c = EmbeddingCache.load(source)
         if order not in (None, "list", "name"): raise ValueError(f"a cache is scored in its own order ('list') or by name, not {order!r}")
         names = list(c.source) if c.source is not None else [f"{source.name}#{i}" for i in range(len(c))]
+        seen = set()  # a row is known by its name, not its position: a grown cache (re-extracted, sorted by name) continues the stream
+        twice = next((p for p in names if p in seen or seen.add(p)), None)
+        if twice is not None: raise ValueError(f"the cache {source} names {twice!r} more than once in its source; its images need distinct names to be scored as a stream")
         rank = sorted(range(len(c)), key=names.__getitem__) if order == "name" else range(len(c))
         paths, embeddings = [names[i] for i in rank], c.image_embeddings[list(rank)]
         class_names, text, temperature, model, prompt_map = list(c.class_names), c.text_embeddings, c.temperature, f"cache:{os.path.abspath(source)}", None

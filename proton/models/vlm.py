@@ -72,10 +72,19 @@ def _one_line(e:Exception): # an error; pydicom's messages can run over several 
     "The error's message on one line."
     return " ".join(str(e).split())
 
-def _first_number(v): # a DICOM value: a number, several (the first is the default), or empty (None, "", [])
-    "The first number of `v` as a float; None when the element is empty."
-    if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue": v = v[0] if len(v) else None
-    return None if v is None or v == "" else float(v)
+def _number(ds, # a pydicom `Dataset`
+            keyword:str, # a numeric element, e.g. "RescaleSlope"
+            several:bool=False): # whether it may hold several values (a window: the first is the default)
+    "The element's number as a float; None when it is absent or empty; a ValueError naming it when it holds anything but one finite number."
+    v = ds.get(keyword)
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "MultiValue":
+        if len(v) > 1 and not several: raise ValueError(f"its {keyword} holds {len(v)} values where DICOM allows one")
+        v = v[0] if len(v) else None
+    if v is None or v == "": return None
+    try: x = float(v)
+    except (TypeError, ValueError): x = math.nan
+    if not math.isfinite(x): raise ValueError(f"its {keyword} is not a finite number: {str(v)!r}")
+    return x
 
 def _palette_to_rgb(pixels:np.ndarray, # (H, W) PALETTE COLOR indices
                     ds): # their pydicom `Dataset`, which holds the colour lookup table
@@ -94,9 +103,9 @@ def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
     if pixels.ndim != (3 if colour else 2): raise ValueError(f"a DICOM file with {getattr(ds, 'NumberOfFrames', '?')} frames (pixels {pixels.shape}) is not one image")
     if colour: return pixels if pixels.dtype == np.uint8 else to_8_bits(pixels)
     if str(getattr(ds, "PhotometricInterpretation", "")).strip().upper() == "PALETTE COLOR": return _palette_to_rgb(pixels, ds)
-    slope, intercept = float(getattr(ds, "RescaleSlope", 1) or 1), float(getattr(ds, "RescaleIntercept", 0) or 0)
+    slope, intercept = _number(ds, "RescaleSlope") or 1., _number(ds, "RescaleIntercept") or 0.
     x = pixels.astype(np.float64) * slope + intercept
-    c, w = _first_number(ds.get("WindowCenter")), _first_number(ds.get("WindowWidth"))
+    c, w = _number(ds, "WindowCenter", several=True), _number(ds, "WindowWidth", several=True)
     if c is not None and w is not None and w >= 1:
         y = np.clip(((x - (c - .5)) / max(w - 1, 1e-12) + .5) * 255, 0, 255)
     elif pixels.dtype == np.uint8 and (slope, intercept) == (1, 0): y = x  # 8 bits as stored are grey levels already, as in a PNG

@@ -1,5 +1,6 @@
 """`read_image` on DICOM files written by pydicom: modality rescale, window, MONOCHROME1, bit depths, and clear errors."""
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -155,3 +156,13 @@ def test_a_malformed_number_in_any_tag_read_is_a_value_error_naming_the_file(tmp
     path = with_raw_tag(write_dicom(tmp_path / "IM000001", RAMP16 >> 4, WindowCenter=2000, WindowWidth=1000), keyword, value)
     try: assert read_image(path).dtype == np.uint8
     except ValueError as e: assert str(path) in str(e), str(e)
+
+
+@pytest.mark.parametrize("tags", [dict(RescaleSlope="1e308"), dict(RescaleSlope="1e-320"),
+                                  dict(RescaleIntercept="1e308", RescaleSlope="-1e308")])
+def test_a_rescale_beyond_floating_point_is_named_not_read_as_a_black_image(tmp_path, tags):
+    "Finite but absurd rescale values overflowed the arithmetic: the image came out black or flat with only numpy's RuntimeWarnings."
+    path = write_dicom(tmp_path / "IM000001", RAMP16 >> 4, **tags)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warnings are no answer either
+        with pytest.raises(ValueError, match="IM000001.*rescale"): read_image(path)

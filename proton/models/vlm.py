@@ -104,14 +104,16 @@ def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
     if colour: return pixels if pixels.dtype == np.uint8 else to_8_bits(pixels)
     if str(getattr(ds, "PhotometricInterpretation", "")).strip().upper() == "PALETTE COLOR": return _palette_to_rgb(pixels, ds)
     slope, intercept = _number(ds, "RescaleSlope") or 1., _number(ds, "RescaleIntercept") or 0.
-    x = pixels.astype(np.float64) * slope + intercept
+    with np.errstate(over="ignore", invalid="ignore"): x = pixels.astype(np.float64) * slope + intercept
     c, w = _number(ds, "WindowCenter", several=True), _number(ds, "WindowWidth", several=True)
     if c is not None and w is not None and w >= 1:
         y = np.clip(((x - (c - .5)) / max(w - 1, 1e-12) + .5) * 255, 0, 255)
     elif pixels.dtype == np.uint8 and (slope, intercept) == (1, 0): y = x  # 8 bits as stored are grey levels already, as in a PNG
     else:
         low, high = x.min(), x.max()
-        y = (x - low) * (255 / (high - low)) if high > low else np.zeros_like(x)
+        with np.errstate(over="ignore", invalid="ignore"): y = (x - low) * (255 / (high - low)) if high > low else np.zeros_like(x)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError(f"the rescale (RescaleSlope {slope:g}, RescaleIntercept {intercept:g}) takes the pixel values beyond floating point")
     if str(getattr(ds, "PhotometricInterpretation", "")).upper() == "MONOCHROME1": y = 255 - y
     return np.round(y).astype(np.uint8)
 

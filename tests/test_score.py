@@ -728,3 +728,93 @@ def test_a_link_to_an_image_of_the_folder_is_that_image(tmp_path):
     assert list_images(folder) == [str(folder / f"{i}.png") for i in range(3)]
     (tmp_path / "list.txt").write_text("in/1.png\nin/zz.png\nin/0.png\n")
     with pytest.raises(ValueError, match="names in/0.png twice"): list_images(tmp_path / "list.txt")
+
+
+PARQUET_EDITS = {"a score retyped": ("score", 5, 99.0), "a path retyped": ("path", 6, "edited")}
+
+
+def retype(out, column, row, value):
+    "Change one value of the Parquet file `out`, as a hand with pandas or a notebook would."
+    import pyarrow as pa, pyarrow.parquet as pq
+    table = pq.read_table(out)
+    values = table.column(column).to_pylist(); values[row] = value
+    j = table.schema.get_field_index(column)
+    pq.write_table(table.set_column(j, table.schema.field(j), pa.array(values, table.schema.field(j).type)), out)
+
+
+@pytest.mark.parametrize("edit", PARQUET_EDITS)
+def test_a_parquet_file_edited_by_hand_is_named_and_left_as_it_is(tmp_path, edit):
+    "Only the CSV or journal bytes were checksummed: a retyped score was carried on, and a retyped path had its image scored twice."
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "r.parquet"
+    run(cache_file(tmp_path / "c.npz", 230), out)
+    retype(out, *PARQUET_EDITS[edit])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("r")}
+    with pytest.raises(ValueError, match=r"r\.parquet was changed by hand"): run(cache_file(tmp_path / "c.npz"), out)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("r")} == before
+
+
+def second_run_state_writes(tmp_path):
+    "How many states the second run of a Parquet stream (256 images, then all N) saves."
+    writes = []
+    run(cache_file(tmp_path / "c.npz", 256), tmp_path / "count.parquet")
+    score_module.save_state, real = lambda state, path: (writes.append(path), save_state(state, path))[1], score_module.save_state
+    try: run(cache_file(tmp_path / "c.npz"), tmp_path / "count.parquet")
+    finally: score_module.save_state = real
+    return len(writes)
+
+
+@pytest.mark.parametrize("last", [1, 2])
+def test_a_parquet_run_killed_while_it_rewrites_a_file_of_earlier_rows_resumes(tmp_path, monkeypatch, last):
+    "Killed at the run's last or second-to-last state write, around the file's rewrite: the file's checksum must not name the file changed by hand."
+    pytest.importorskip("pyarrow")
+    import pandas as pd
+    total = second_run_state_writes(tmp_path)
+    run(cache_file(tmp_path / "c.npz"), tmp_path / "once.parquet")
+    out, writes = tmp_path / "killed.parquet", []
+    run(cache_file(tmp_path / "c.npz", 256), out)
+    def dying(state, path):
+        if len(writes) == total - last: raise KeyboardInterrupt("killed")
+        writes.append(path); return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache_file(tmp_path / "c.npz"), out)
+    monkeypatch.setattr(score_module, "save_state", save_state)
+    assert run(cache_file(tmp_path / "c.npz"), out)[1] == N
+    pd.testing.assert_frame_equal(parquet_rows(out), parquet_rows(tmp_path / "once.parquet"))
+
+
+def test_a_reader_that_loaded_the_state_before_a_later_run_rewrote_the_parquet_file_finds_every_row(tmp_path, monkeypatch):
+    "The audit in another process reads the state, then a run rewrites the file (its checksum changes), then the audit reads the file."
+    pytest.importorskip("pyarrow")
+    from proton.deploy import torch_load_safely
+    out, before = tmp_path / "r.parquet", []
+    run(cache_file(tmp_path / "c.npz", 230), out)
+    finish = Results.finish
+    def spy(self, *args):
+        before.append(torch_load_safely(self.state_path, "a scoring state")); finish(self, *args)
+    monkeypatch.setattr(Results, "finish", spy)
+    run(cache_file(tmp_path / "c.npz"), out)
+    calls = []
+    def stale_first(path, what):  # the first read gives the state from before the rewrite
+        calls.append(path); return dict(before[-1]) if len(calls) == 1 else torch_load_safely(path, what)
+    monkeypatch.setattr(score_module, "torch_load_safely", stale_first)
+    assert len(Results(out).load()[1]) == N
+
+
+def without(out, *keys):
+    "Rewrite the state of the stream in `out` as a version that did not record `keys` (state or settings keys) wrote it."
+    from proton.deploy import torch_load_safely
+    path = Results(out).state_path
+    state = torch_load_safely(path, "a scoring state")
+    for k in keys: state.pop(k, None); state["settings"].pop(k, None)
+    save_state(state, path)
+
+
+def test_a_parquet_stream_begun_before_the_files_checksum_continues_and_is_checked_from_then_on(tmp_path):
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "r.parquet"
+    run(cache_file(tmp_path / "c.npz", 256), out)
+    without(out, "parquet_sha256")
+    assert run(cache_file(tmp_path / "c.npz"), out) == (N - 256, N)
+    retype(out, "score", 5, 99.0)  # the stream's state now holds the file's checksum
+    with pytest.raises(ValueError, match="changed by hand"): run(cache_file(tmp_path / "c.npz"), out)

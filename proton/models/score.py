@@ -28,7 +28,7 @@ from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_wri
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
-from .extract import default_workers, read_prompt_file, resolve_prompts
+from .extract import default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import read_image, spec_weights
 
@@ -158,10 +158,12 @@ class Results:
             with open(self.appended, "rb") as f: data = f.read(saved["bytes"])
         except FileNotFoundError: return b"", hashlib.sha256()  # its stream was being discarded, or a hand removed it: the count tells which
         digest = hashlib.sha256(data)
-        if saved.get("sha256", digest.hexdigest()) != digest.hexdigest():  # a state from before the checksum: the counts tell
-            raise ValueError(f"{self.appended} was changed by hand since its last run (its committed rows are not those its state names); "
-                             "restore it, or choose another --out")
+        if saved.get("sha256", digest.hexdigest()) != digest.hexdigest(): raise self._changed(self.appended)  # a state from before the checksum: the counts tell
         return data, digest
+
+    def _changed(self, path:Path): # the results file or the journal
+        "The refusal of a file whose committed rows were changed by hand."
+        return ValueError(f"{path} was changed by hand since its last run (its committed rows are not those its state names); restore it, or choose another --out")
 
     def _appended(self, data:bytes, width:int):
         "The rows of the committed bytes, one list of `width` strings at a time."
@@ -179,6 +181,10 @@ class Results:
             return None, []
         saved = torch_load_safely(self.state_path, "a scoring state")
         saved["stored"] = saved.get("stored", saved["rows"] if self.parquet else 0)  # a state from before the journal: its Parquet file held every row
+        known = saved.get("parquet_sha256")  # None: a state from before the Parquet file's checksum
+        if self.parquet and saved["stored"] and known is not None and self.out.exists() and file_sha256(self.out) not in known:
+            if torch_load_safely(self.state_path, "a scoring state").get("parquet_sha256") != known: return self.load(cut, columns)  # a run rewrote it since
+            raise self._changed(self.out)
         names = row_columns(saved["settings"]["classes"])
         keep = [names.index(c) for c in columns] if columns is not None else list(range(len(names)))
         rows = []
@@ -205,7 +211,7 @@ class Results:
     def begin(self, state:dict): # `Monitor.state_dict()` and the run's settings, before the first image
         "Start a stream with a state of 0 rows; the first chunk writes the header (a state written after it would leave, if killed between, a file without a state)."
         self.digest = hashlib.sha256()
-        self._save(state | dict(rows=0, bytes=0, stored=0, sha256=self.digest.hexdigest()))
+        self._save(state | dict(rows=0, bytes=0, stored=0, sha256=self.digest.hexdigest(), parquet_sha256=[]))
 
     def commit(self, state:dict, # `Monitor.state_dict()` and the run's settings, after the new rows
                columns:list, # the header
@@ -217,7 +223,8 @@ class Results:
             f.write(data); f.flush(); os.fsync(f.fileno())
             size = f.tell()
         self.digest.update(data)  # the SHA-256 of every committed byte, without reading them again
-        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"], sha256=self.digest.hexdigest()))  # `begin` or `load` saw the state before
+        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"], sha256=self.digest.hexdigest(),  # `begin` or `load` saw the state before
+                                parquet_sha256=self.saved.get("parquet_sha256")))
 
     def finish(self, columns:list): # the header
         "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to); the next run empties the journal."
@@ -227,9 +234,13 @@ class Results:
         schema, new = pa.schema([(c, arrow[_kind(c)]) for c in columns]), list(self._appended(self._committed(self.saved)[0], len(columns)))
         parts = [pq.read_table(self.out).slice(0, self.saved["stored"]).cast(schema)] if self.saved["stored"] else []  # cast: a file written before the types were fixed
         parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], arrow[_kind(c)]) for j, c in enumerate(columns)], schema=schema))
-        replace_atomically(self.out, lambda f: pq.write_table(pa.concat_tables(parts), f))
+        buffer = io.BytesIO(); pq.write_table(pa.concat_tables(parts), buffer)
+        data = buffer.getvalue()
+        digest, known = hashlib.sha256(data).hexdigest(), self.saved.get("parquet_sha256")
+        if known is not None: self._save(self.saved | dict(parquet_sha256=[*known, digest]))  # a kill while the file is replaced leaves the old or the new: both are known
+        replace_atomically(self.out, lambda f: f.write(data))
         self.digest = hashlib.sha256()
-        self._save(self.saved | dict(bytes=0, stored=self.saved["rows"], sha256=self.digest.hexdigest()))  # a kill before this line: the rows are read from the journal, as committed
+        self._save(self.saved | dict(bytes=0, stored=self.saved["rows"], sha256=self.digest.hexdigest(), parquet_sha256=[digest]))  # a kill before this line: the rows are read from the journal, as committed
         # the journal keeps its bytes until the next run cuts it: a reader that loaded the previous state still finds them
 
 # %% ../../nbs/47_score.ipynb

@@ -220,7 +220,7 @@ def test_other_settings_are_refused(tmp_path):
 
 def test_the_recorded_weights_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
     "--checkpoint none was recorded as os.path.abspath('none'), so the stream continued from another folder was refused as 'other settings (checkpoint)'."
-    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0)["checkpoint"]
+    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0, "name")["checkpoint"]
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path)
     here = [weights("unimed-clip", "none"), weights("flair", "w.pt"), weights("open_clip:ViT-S-32/w.pt", None)]
@@ -818,3 +818,38 @@ def test_a_parquet_stream_begun_before_the_files_checksum_continues_and_is_check
     assert run(cache_file(tmp_path / "c.npz"), out) == (N - 256, N)
     retype(out, "score", 5, 99.0)  # the stream's state now holds the file's checksum
     with pytest.raises(ValueError, match="changed by hand"): run(cache_file(tmp_path / "c.npz"), out)
+
+
+def test_another_order_is_refused_once_the_stream_holds_rows(tmp_path, random_vlm):
+    "--order was not recorded: a stream begun in name order and continued in mtime order matched neither order's stream."
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    assert run_images(folder, out, random_vlm) == (4, 4)  # a folder: name order
+    photo_folder(tmp_path / "in", n=6, broken=())
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"other settings \(order\): order was 'name', now 'mtime'; choose"): run_images(folder, out, random_vlm, order="mtime")
+    (tmp_path / "list.txt").write_text("".join(f"in/{i}.png\n" for i in range(6)))
+    with pytest.raises(ValueError, match=r"order was 'name', now 'list'"): run_images(tmp_path / "list.txt", out, random_vlm)
+    assert out.read_bytes() == before
+    assert run_images(tmp_path / "list.txt", out, random_vlm, order="name") == (2, 6)  # the same images, in the stream's order
+
+
+def test_a_file_list_that_grows_continues_its_stream(tmp_path, random_vlm):
+    "Order 'list' is the list's order of the images not yet scored: entries appended to the list are the new images."
+    folder = photo_folder(tmp_path / "in", n=6, broken=())
+    (tmp_path / "all.txt").write_text("".join(f"in/{i}.png\n" for i in (5, 0, 3, 1, 4, 2)))
+    run_images(tmp_path / "all.txt", tmp_path / "once.csv", random_vlm)
+    (tmp_path / "list.txt").write_text("".join(f"in/{i}.png\n" for i in (5, 0, 3, 1)))
+    assert run_images(tmp_path / "list.txt", tmp_path / "r.csv", random_vlm) == (4, 4)
+    shutil.copy(tmp_path / "all.txt", tmp_path / "list.txt")
+    assert run_images(tmp_path / "list.txt", tmp_path / "r.csv", random_vlm) == (2, 6)
+    assert (tmp_path / "r.csv").read_bytes() == (tmp_path / "once.csv").read_bytes()
+
+
+def test_a_stream_begun_before_its_order_was_recorded_continues_and_records_it(tmp_path, random_vlm):
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    run_images(folder, out, random_vlm)
+    without(out, "order")
+    photo_folder(tmp_path / "in", n=6, broken=())
+    assert run_images(folder, out, random_vlm, order="mtime") == (2, 6)  # unknown: accepted, and recorded from now on
+    photo_folder(tmp_path / "in", n=8, broken=())
+    with pytest.raises(ValueError, match="order was 'mtime', now 'name'"): run_images(folder, out, random_vlm)

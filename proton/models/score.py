@@ -266,12 +266,12 @@ def _readable(paths:list, # every image path of the stream
         else: failed.append((paths[i], e))
     return torch.stack(images) if images else None, read, failed
 
-def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float):
+def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float, order:str):
     "What makes a run's numbers: a later run must match it to continue the stream."
     weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path
     return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), classes=list(class_names),
                 prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
-                reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h)
+                reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h, order=order)
 
 def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as on the command line
                        prompts:str|os.PathLike|list|dict|None): # a prompt file, or a list (one per class) or dict (class -> prompts)
@@ -373,15 +373,18 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         paths, prompt_map, device = list_images(source, order), class_prompts_from(classes, prompts), model_device(device)
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()
-    settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h)
+    settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h,
+                         order or ("name" if source.is_dir() else "list"))  # as `list_images` resolves it; a cache's own order is 'list'
     with results.lock():
         saved, committed = results.load(cut=True, columns=["path"])  # only the paths: a long stream's rows stay on disk
         done, n = {p for p, in committed}, len(committed)
         if saved is not None and saved.get("format") != SCORE_FORMAT: raise ValueError(f"{results.state_path} is not a scoring state")
         if saved is not None and saved["settings"] != settings:
-            diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
-            if n: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
-            results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
+            diff = sorted(k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k])  # one the state lacks (an earlier version's) is not known
+            was = "; ".join(f"{k} was {saved['settings'][k]!r}, now {settings[k]!r}" for k in diff
+                            if not isinstance(saved["settings"][k], (dict, list)) and not isinstance(settings[k], (dict, list)))
+            if n and diff: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}){': ' * bool(was)}{was}; choose another --out to start a new stream")
+            if not n: results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
         if reference is not None and saved is None: threshold.set_reference(read_reference_scores(reference, settings))  # before the model loads
         columns = row_columns(class_names)
         unread = set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten

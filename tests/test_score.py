@@ -221,7 +221,7 @@ def test_other_settings_are_refused(tmp_path):
 def test_the_recorded_weights_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
     "--checkpoint none was recorded as os.path.abspath('none'), so the stream continued from another folder was refused as 'other settings (checkpoint)'."
     weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0, "name")["checkpoint"]
-    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub").mkdir(); (tmp_path / "w.pt").write_bytes(b"weights")  # read for its SHA-256
     monkeypatch.chdir(tmp_path)
     here = [weights("unimed-clip", "none"), weights("flair", "w.pt"), weights("open_clip:ViT-S-32/w.pt", None)]
     monkeypatch.chdir(tmp_path / "sub")
@@ -853,3 +853,38 @@ def test_a_stream_begun_before_its_order_was_recorded_continues_and_records_it(t
     assert run_images(folder, out, random_vlm, order="mtime") == (2, 6)  # unknown: accepted, and recorded from now on
     photo_folder(tmp_path / "in", n=8, broken=())
     with pytest.raises(ValueError, match="order was 'mtime', now 'name'"): run_images(folder, out, random_vlm)
+
+
+@pytest.mark.parametrize("how", ["a link moved on", "the file replaced in place"])
+def test_other_weights_at_the_same_checkpoint_path_are_refused(tmp_path, random_vlm, how):
+    "Only the checkpoint's path was recorded: a retrained model behind the same --checkpoint continued the stream silently."
+    import hashlib
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    (tmp_path / "v1.pt").write_bytes(b"weights of day 1"); (tmp_path / "v2.pt").write_bytes(b"weights of day 2")
+    model = tmp_path / "model.pt"
+    if how == "a link moved on": os.symlink("v1.pt", model)
+    else: shutil.copy(tmp_path / "v1.pt", model)
+    assert run_images(folder, out, random_vlm, checkpoint=model) == (4, 4)
+    if how == "a link moved on": os.remove(model); os.symlink("v2.pt", model)
+    else: shutil.copy(tmp_path / "v2.pt", model)
+    photo_folder(tmp_path / "in", n=6, broken=())
+    before = out.read_bytes()
+    one, two = (hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in ("v1.pt", "v2.pt"))
+    with pytest.raises(ValueError, match=rf"other settings \(checkpoint_sha256\): checkpoint_sha256 was '{one}', now '{two}'"):
+        run_images(folder, out, random_vlm, checkpoint=model)
+    assert out.read_bytes() == before
+    if how == "the file replaced in place": shutil.copy(tmp_path / "v1.pt", model)
+    else: os.remove(model); os.symlink("v1.pt", model)
+    assert run_images(folder, out, random_vlm, checkpoint=model) == (2, 6)  # the day's weights again: the stream continues
+
+
+def test_a_stream_begun_before_the_weights_sha256_was_recorded_continues_and_records_it(tmp_path, random_vlm):
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    (tmp_path / "model.pt").write_bytes(b"weights of day 1")
+    run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt")
+    without(out, "checkpoint_sha256")
+    photo_folder(tmp_path / "in", n=6, broken=())
+    assert run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt") == (2, 6)
+    (tmp_path / "model.pt").write_bytes(b"weights of day 2")
+    photo_folder(tmp_path / "in", n=8, broken=())
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint_sha256\)"): run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt")

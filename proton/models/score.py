@@ -268,9 +268,9 @@ def _readable(paths:list, # every image path of the stream
 
 def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float, order:str):
     "What makes a run's numbers: a later run must match it to continue the stream."
-    weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path
-    return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), classes=list(class_names),
-                prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
+    weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path and its content, as `extract` records it
+    return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), checkpoint_sha256=None if weights is None else file_sha256(weights),
+                classes=list(class_names), prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
                 reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h, order=order)
 
 def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as on the command line

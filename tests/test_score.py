@@ -231,8 +231,8 @@ def test_other_settings_are_refused(tmp_path):
 
 def test_the_recorded_weights_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
     "--checkpoint none was recorded as os.path.abspath('none'), so the stream continued from another folder was refused as 'other settings (checkpoint)'."
-    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0)["checkpoint"]
-    (tmp_path / "sub").mkdir()
+    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0, "name")["checkpoint"]
+    (tmp_path / "sub").mkdir(); (tmp_path / "w.pt").write_bytes(b"weights")  # read for its SHA-256
     monkeypatch.chdir(tmp_path)
     here = [weights("unimed-clip", "none"), weights("flair", "w.pt"), weights("open_clip:ViT-S-32/w.pt", None)]
     monkeypatch.chdir(tmp_path / "sub")
@@ -762,3 +762,163 @@ def test_a_link_to_an_image_of_the_folder_is_that_image(tmp_path):
     assert list_images(folder) == [str(folder / f"{i}.png") for i in range(3)]
     (tmp_path / "list.txt").write_text("in/1.png\nin/zz.png\nin/0.png\n")
     with pytest.raises(ValueError, match="names in/0.png twice"): list_images(tmp_path / "list.txt")
+
+
+PARQUET_EDITS = {"a score retyped": ("score", 5, 99.0), "a path retyped": ("path", 6, "edited")}
+
+
+def retype(out, column, row, value):
+    "Change one value of the Parquet file `out`, as a hand with pandas or a notebook would."
+    import pyarrow as pa, pyarrow.parquet as pq
+    table = pq.read_table(out)
+    values = table.column(column).to_pylist(); values[row] = value
+    j = table.schema.get_field_index(column)
+    pq.write_table(table.set_column(j, table.schema.field(j), pa.array(values, table.schema.field(j).type)), out)
+
+
+@pytest.mark.parametrize("edit", PARQUET_EDITS)
+def test_a_parquet_file_edited_by_hand_is_named_and_left_as_it_is(tmp_path, edit):
+    "Only the CSV or journal bytes were checksummed: a retyped score was carried on, and a retyped path had its image scored twice."
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "r.parquet"
+    run(cache_file(tmp_path / "c.npz", 230), out)
+    retype(out, *PARQUET_EDITS[edit])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("r")}
+    with pytest.raises(ValueError, match=r"r\.parquet was changed by hand"): run(cache_file(tmp_path / "c.npz"), out)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("r")} == before
+
+
+def second_run_state_writes(tmp_path):
+    "How many states the second run of a Parquet stream (256 images, then all N) saves."
+    writes = []
+    run(cache_file(tmp_path / "c.npz", 256), tmp_path / "count.parquet")
+    score_module.save_state, real = lambda state, path: (writes.append(path), save_state(state, path))[1], score_module.save_state
+    try: run(cache_file(tmp_path / "c.npz"), tmp_path / "count.parquet")
+    finally: score_module.save_state = real
+    return len(writes)
+
+
+@pytest.mark.parametrize("last", [1, 2])
+def test_a_parquet_run_killed_while_it_rewrites_a_file_of_earlier_rows_resumes(tmp_path, monkeypatch, last):
+    "Killed at the run's last or second-to-last state write, around the file's rewrite: the file's checksum must not name the file changed by hand."
+    pytest.importorskip("pyarrow")
+    import pandas as pd
+    total = second_run_state_writes(tmp_path)
+    run(cache_file(tmp_path / "c.npz"), tmp_path / "once.parquet")
+    out, writes = tmp_path / "killed.parquet", []
+    run(cache_file(tmp_path / "c.npz", 256), out)
+    def dying(state, path):
+        if len(writes) == total - last: raise KeyboardInterrupt("killed")
+        writes.append(path); return save_state(state, path)
+    monkeypatch.setattr(score_module, "save_state", dying)
+    with pytest.raises(KeyboardInterrupt): run(cache_file(tmp_path / "c.npz"), out)
+    monkeypatch.setattr(score_module, "save_state", save_state)
+    assert run(cache_file(tmp_path / "c.npz"), out)[1] == N
+    pd.testing.assert_frame_equal(parquet_rows(out), parquet_rows(tmp_path / "once.parquet"))
+
+
+def test_a_reader_that_loaded_the_state_before_a_later_run_rewrote_the_parquet_file_finds_every_row(tmp_path, monkeypatch):
+    "The audit in another process reads the state, then a run rewrites the file (its checksum changes), then the audit reads the file."
+    pytest.importorskip("pyarrow")
+    from proton.deploy import torch_load_safely
+    out, before = tmp_path / "r.parquet", []
+    run(cache_file(tmp_path / "c.npz", 230), out)
+    finish = Results.finish
+    def spy(self, *args):
+        before.append(torch_load_safely(self.state_path, "a scoring state")); finish(self, *args)
+    monkeypatch.setattr(Results, "finish", spy)
+    run(cache_file(tmp_path / "c.npz"), out)
+    calls = []
+    def stale_first(path, what):  # the first read gives the state from before the rewrite
+        calls.append(path); return dict(before[-1]) if len(calls) == 1 else torch_load_safely(path, what)
+    monkeypatch.setattr(score_module, "torch_load_safely", stale_first)
+    assert len(Results(out).load()[1]) == N
+
+
+def without(out, *keys):
+    "Rewrite the state of the stream in `out` as a version that did not record `keys` (state or settings keys) wrote it."
+    from proton.deploy import torch_load_safely
+    path = Results(out).state_path
+    state = torch_load_safely(path, "a scoring state")
+    for k in keys: state.pop(k, None); state["settings"].pop(k, None)
+    save_state(state, path)
+
+
+def test_a_parquet_stream_begun_before_the_files_checksum_continues_and_is_checked_from_then_on(tmp_path):
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "r.parquet"
+    run(cache_file(tmp_path / "c.npz", 256), out)
+    without(out, "parquet_sha256")
+    assert run(cache_file(tmp_path / "c.npz"), out) == (N - 256, N)
+    retype(out, "score", 5, 99.0)  # the stream's state now holds the file's checksum
+    with pytest.raises(ValueError, match="changed by hand"): run(cache_file(tmp_path / "c.npz"), out)
+
+
+def test_another_order_is_refused_once_the_stream_holds_rows(tmp_path, random_vlm):
+    "--order was not recorded: a stream begun in name order and continued in mtime order matched neither order's stream."
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    assert run_images(folder, out, random_vlm) == (4, 4)  # a folder: name order
+    photo_folder(tmp_path / "in", n=6, broken=())
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"other settings \(order\): order was 'name', now 'mtime'; choose"): run_images(folder, out, random_vlm, order="mtime")
+    (tmp_path / "list.txt").write_text("".join(f"in/{i}.png\n" for i in range(6)))
+    with pytest.raises(ValueError, match=r"order was 'name', now 'list'"): run_images(tmp_path / "list.txt", out, random_vlm)
+    assert out.read_bytes() == before
+    assert run_images(tmp_path / "list.txt", out, random_vlm, order="name") == (2, 6)  # the same images, in the stream's order
+
+
+def test_a_file_list_that_grows_continues_its_stream(tmp_path, random_vlm):
+    "Order 'list' is the list's order of the images not yet scored: entries appended to the list are the new images."
+    folder = photo_folder(tmp_path / "in", n=6, broken=())
+    (tmp_path / "all.txt").write_text("".join(f"in/{i}.png\n" for i in (5, 0, 3, 1, 4, 2)))
+    run_images(tmp_path / "all.txt", tmp_path / "once.csv", random_vlm)
+    (tmp_path / "list.txt").write_text("".join(f"in/{i}.png\n" for i in (5, 0, 3, 1)))
+    assert run_images(tmp_path / "list.txt", tmp_path / "r.csv", random_vlm) == (4, 4)
+    shutil.copy(tmp_path / "all.txt", tmp_path / "list.txt")
+    assert run_images(tmp_path / "list.txt", tmp_path / "r.csv", random_vlm) == (2, 6)
+    assert (tmp_path / "r.csv").read_bytes() == (tmp_path / "once.csv").read_bytes()
+
+
+def test_a_stream_begun_before_its_order_was_recorded_continues_and_records_it(tmp_path, random_vlm):
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    run_images(folder, out, random_vlm)
+    without(out, "order")
+    photo_folder(tmp_path / "in", n=6, broken=())
+    assert run_images(folder, out, random_vlm, order="mtime") == (2, 6)  # unknown: accepted, and recorded from now on
+    photo_folder(tmp_path / "in", n=8, broken=())
+    with pytest.raises(ValueError, match="order was 'mtime', now 'name'"): run_images(folder, out, random_vlm)
+
+
+@pytest.mark.parametrize("how", ["a link moved on", "the file replaced in place"])
+def test_other_weights_at_the_same_checkpoint_path_are_refused(tmp_path, random_vlm, how):
+    "Only the checkpoint's path was recorded: a retrained model behind the same --checkpoint continued the stream silently."
+    import hashlib
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    (tmp_path / "v1.pt").write_bytes(b"weights of day 1"); (tmp_path / "v2.pt").write_bytes(b"weights of day 2")
+    model = tmp_path / "model.pt"
+    if how == "a link moved on": os.symlink("v1.pt", model)
+    else: shutil.copy(tmp_path / "v1.pt", model)
+    assert run_images(folder, out, random_vlm, checkpoint=model) == (4, 4)
+    if how == "a link moved on": os.remove(model); os.symlink("v2.pt", model)
+    else: shutil.copy(tmp_path / "v2.pt", model)
+    photo_folder(tmp_path / "in", n=6, broken=())
+    before = out.read_bytes()
+    one, two = (hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in ("v1.pt", "v2.pt"))
+    with pytest.raises(ValueError, match=rf"other settings \(checkpoint_sha256\): checkpoint_sha256 was '{one}', now '{two}'"):
+        run_images(folder, out, random_vlm, checkpoint=model)
+    assert out.read_bytes() == before
+    if how == "the file replaced in place": shutil.copy(tmp_path / "v1.pt", model)
+    else: os.remove(model); os.symlink("v1.pt", model)
+    assert run_images(folder, out, random_vlm, checkpoint=model) == (2, 6)  # the day's weights again: the stream continues
+
+
+def test_a_stream_begun_before_the_weights_sha256_was_recorded_continues_and_records_it(tmp_path, random_vlm):
+    folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
+    (tmp_path / "model.pt").write_bytes(b"weights of day 1")
+    run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt")
+    without(out, "checkpoint_sha256")
+    photo_folder(tmp_path / "in", n=6, broken=())
+    assert run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt") == (2, 6)
+    (tmp_path / "model.pt").write_bytes(b"weights of day 2")
+    photo_folder(tmp_path / "in", n=8, broken=())
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint_sha256\)"): run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt")

@@ -28,7 +28,7 @@ from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_wri
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
-from .extract import default_workers, read_prompt_file, resolve_prompts
+from .extract import default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import read_image, spec_weights
 
@@ -163,10 +163,12 @@ class Results:
             with open(self.appended, "rb") as f: data = f.read(saved["bytes"])
         except FileNotFoundError: return b"", hashlib.sha256()  # its stream was being discarded, or a hand removed it: the count tells which
         digest = hashlib.sha256(data)
-        if saved.get("sha256", digest.hexdigest()) != digest.hexdigest():  # a state from before the checksum: the counts tell
-            raise ValueError(f"{self.appended} was changed by hand since its last run (its committed rows are not those its state names); "
-                             "restore it, or choose another --out")
+        if saved.get("sha256", digest.hexdigest()) != digest.hexdigest(): raise self._changed(self.appended)  # a state from before the checksum: the counts tell
         return data, digest
+
+    def _changed(self, path:Path): # the results file or the journal
+        "The refusal of a file whose committed rows were changed by hand."
+        return ValueError(f"{path} was changed by hand since its last run (its committed rows are not those its state names); restore it, or choose another --out")
 
     def _appended(self, data:bytes, width:int):
         "The rows of the committed bytes, one list of `width` strings at a time."
@@ -184,6 +186,10 @@ class Results:
             return None, []
         saved = torch_load_safely(self.state_path, "a scoring state")
         saved["stored"] = saved.get("stored", saved["rows"] if self.parquet else 0)  # a state from before the journal: its Parquet file held every row
+        known = saved.get("parquet_sha256")  # None: a state from before the Parquet file's checksum
+        if self.parquet and saved["stored"] and known is not None and self.out.exists() and file_sha256(self.out) not in known:
+            if torch_load_safely(self.state_path, "a scoring state").get("parquet_sha256") != known: return self.load(cut, columns)  # a run rewrote it since
+            raise self._changed(self.out)
         names = row_columns(saved["settings"]["classes"])
         keep = [names.index(c) for c in columns] if columns is not None else list(range(len(names)))
         rows = []
@@ -210,7 +216,7 @@ class Results:
     def begin(self, state:dict): # `Monitor.state_dict()` and the run's settings, before the first image
         "Start a stream with a state of 0 rows; the first chunk writes the header (a state written after it would leave, if killed between, a file without a state)."
         self.digest = hashlib.sha256()
-        self._save(state | dict(rows=0, bytes=0, stored=0, sha256=self.digest.hexdigest()))
+        self._save(state | dict(rows=0, bytes=0, stored=0, sha256=self.digest.hexdigest(), parquet_sha256=[]))
 
     def commit(self, state:dict, # `Monitor.state_dict()` and the run's settings, after the new rows
                columns:list, # the header
@@ -222,7 +228,8 @@ class Results:
             f.write(data); f.flush(); os.fsync(f.fileno())
             size = f.tell()
         self.digest.update(data)  # the SHA-256 of every committed byte, without reading them again
-        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"], sha256=self.digest.hexdigest()))  # `begin` or `load` saw the state before
+        self._save(state | dict(rows=n, bytes=size, stored=self.saved["stored"], sha256=self.digest.hexdigest(),  # `begin` or `load` saw the state before
+                                parquet_sha256=self.saved.get("parquet_sha256")))
 
     def finish(self, columns:list): # the header
         "Parquet: write the committed rows into the file, atomically, once a run (it cannot be appended to); the next run empties the journal."
@@ -232,9 +239,13 @@ class Results:
         schema, new = pa.schema([(c, arrow[_kind(c)]) for c in columns]), list(self._appended(self._committed(self.saved)[0], len(columns)))
         parts = [pq.read_table(self.out).slice(0, self.saved["stored"]).cast(schema)] if self.saved["stored"] else []  # cast: a file written before the types were fixed
         parts.append(pa.Table.from_arrays([pa.array([_typed(c, r[j]) for r in new], arrow[_kind(c)]) for j, c in enumerate(columns)], schema=schema))
-        replace_atomically(self.out, lambda f: pq.write_table(pa.concat_tables(parts), f))
+        buffer = io.BytesIO(); pq.write_table(pa.concat_tables(parts), buffer)
+        data = buffer.getvalue()
+        digest, known = hashlib.sha256(data).hexdigest(), self.saved.get("parquet_sha256")
+        if known is not None: self._save(self.saved | dict(parquet_sha256=[*known, digest]))  # a kill while the file is replaced leaves the old or the new: both are known
+        replace_atomically(self.out, lambda f: f.write(data))
         self.digest = hashlib.sha256()
-        self._save(self.saved | dict(bytes=0, stored=self.saved["rows"], sha256=self.digest.hexdigest()))  # a kill before this line: the rows are read from the journal, as committed
+        self._save(self.saved | dict(bytes=0, stored=self.saved["rows"], sha256=self.digest.hexdigest(), parquet_sha256=[digest]))  # a kill before this line: the rows are read from the journal, as committed
         # the journal keeps its bytes until the next run cuts it: a reader that loaded the previous state still finds them
 
 # %% ../../nbs/47_score.ipynb
@@ -260,12 +271,12 @@ def _readable(paths:list, # every image path of the stream
         else: failed.append((paths[i], e))
     return torch.stack(images) if images else None, read, failed
 
-def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float):
+def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float, order:str):
     "What makes a run's numbers: a later run must match it to continue the stream."
-    weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path
-    return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), classes=list(class_names),
-                prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
-                reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h)
+    weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path and its content, as `extract` records it
+    return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), checkpoint_sha256=None if weights is None else file_sha256(weights),
+                classes=list(class_names), prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
+                reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h, order=order)
 
 def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as on the command line
                        prompts:str|os.PathLike|list|dict|None): # a prompt file, or a list (one per class) or dict (class -> prompts)
@@ -370,15 +381,18 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         paths, prompt_map, device = list_images(source, order), class_prompts_from(classes, prompts), model_device(device)
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()
-    settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h)
+    settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h,
+                         order or ("name" if source.is_dir() else "list"))  # as `list_images` resolves it; a cache's own order is 'list'
     with results.lock():
         saved, committed = results.load(cut=True, columns=["path"])  # only the paths: a long stream's rows stay on disk
         done, n = {p for p, in committed}, len(committed)
         if saved is not None and saved.get("format") != SCORE_FORMAT: raise ValueError(f"{results.state_path} is not a scoring state")
         if saved is not None and saved["settings"] != settings:
-            diff = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
-            if n: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}); choose another --out to start a new stream")
-            results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
+            diff = sorted(k for k in settings if k in saved["settings"] and saved["settings"][k] != settings[k])  # one the state lacks (an earlier version's) is not known
+            was = "; ".join(f"{k} was {saved['settings'][k]!r}, now {settings[k]!r}" for k in diff
+                            if not isinstance(saved["settings"][k], (dict, list)) and not isinstance(settings[k], (dict, list)))
+            if n and diff: raise ValueError(f"{out} was written by a run with other settings ({', '.join(diff)}){': ' * bool(was)}{was}; choose another --out to start a new stream")
+            if not n: results.discard(); saved = None  # nothing scored yet (a first run that died in its first chunk): these settings start the stream
         if reference is not None and saved is None: threshold.set_reference(read_reference_scores(reference, settings))  # before the model loads
         columns = row_columns(class_names)
         unread = set([] if saved is None else saved.get("unreadable", [])) & set(paths)  # files gone since are forgotten

@@ -352,8 +352,12 @@ def test_a_malformed_dicom_file_is_left_out_with_a_warning_naming_it(tmp_path, r
     from test_dicom import write_dicom
     folder = photo_folder(tmp_path / "in", n=3, broken=())
     write_dicom(folder / "IM000001", (np.arange(64 * 64) % 4096).astype(np.uint16).reshape(64, 64), RescaleSlope=[1, 1])
-    with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*IM000001: .*RescaleSlope"):
+    with pytest.warns(UserWarning, match=r"1 of 4 images could not be read.*IM000001: .*RescaleSlope") as caught:
         assert run_images(folder, tmp_path / "r.csv", random_vlm) == (3, 3)
+    said = next(str(w.message) for w in caught if "could not be read" in str(w.message))
+    assert said.count(str(folder / "IM000001")) == 1, f"the file is named more than once: {said}"
+    with pytest.raises(ValueError, match="cannot read image") as stopped: run_images(folder, tmp_path / "s.csv", random_vlm, strict=True)
+    assert str(stopped.value).count(str(folder / "IM000001")) == 1, f"the file is named more than once: {stopped.value}"
 
 
 def test_no_readable_image_at_all_is_an_error(tmp_path, random_vlm):

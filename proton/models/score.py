@@ -254,6 +254,11 @@ SCORE_FORMAT = "proton-score-1"
 class UnreadableImagesWarning(UserWarning):
     "Some images could not be read: they were left out of this run and will be tried again by the next."
 
+def _named(path, # an image file
+           e:Exception): # the error reading it
+    "The error, naming the file once: as it is when its text names the file already (as DICOM's and PIL's errors do), else after the file's path."
+    return str(e) if str(path) in str(e) else f"{path}: {e}"
+
 def _readable(paths:list, # every image path of the stream
               at:list, # the positions in `paths` to read
               strict:bool, # raise at the first unreadable image
@@ -267,7 +272,7 @@ def _readable(paths:list, # every image path of the stream
     images, read, failed = [], [], []
     for i, (x, e) in zip(at, loaded):
         if e is None: images.append(x); read.append(i)
-        elif strict: raise ValueError(f"cannot read image {paths[i]}: {e}") from None
+        elif strict: raise ValueError(f"cannot read image {_named(paths[i], e)}") from None
         else: failed.append((paths[i], e))
     return torch.stack(images) if images else None, read, failed
 
@@ -428,10 +433,10 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                 bar.update(len(chunk))
         results.finish(columns)
         if skipped:
-            if not n: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {skipped[0][0]}: {skipped[0][1]}")
+            if not n: raise ValueError(f"none of the {len(todo)} images of {source} could be read, e.g. {_named(*skipped[0])}")
             one = len(skipped) == 1
             warnings.warn(f"{len(skipped)} of {len(todo)} image{'s' * (len(todo) > 1)} could not be read and {'was' if one else 'were'} left out; "
-                          f"the next run tries {'it' if one else 'them'} again (first: {skipped[0][0]}: {skipped[0][1]})", UnreadableImagesWarning, stacklevel=2)
+                          f"the next run tries {'it' if one else 'them'} again (first: {_named(*skipped[0])})", UnreadableImagesWarning, stacklevel=2)
         return len(todo) - len(skipped), n
 
 # %% ../../nbs/47_score.ipynb

@@ -96,3 +96,21 @@ def test_results_file_benchmark_times_both_formats_on_the_same_rows(tmp_path):
     assert [r["n"] for r in rows] == [100, 300] and "no claim" in printed  # the script asserts that both files hold the same rows
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["csv_s"] > 0 for r in rows)
     assert all(r[f"{kind}_{what}"] > 0 for r in rows for kind in ("csv", "parquet") for what in ("one_more_s", "read_all_mib", "read_paths_mib"))
+
+
+def gpu_check(tmp_path, steps, dev="cpu"):
+    "benchmarks/gpu_check.sh run with `python3` and `nvidia-smi` stubbed: its log, and each python3 call's arguments."
+    stubs, calls = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir()
+    for name, body in (("python3", 'printf "%s " "$@" | tr "\\n" " " >> "$CALLS"; echo >> "$CALLS"'), ("nvidia-smi", "echo GPU 0: stub")):
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), STEPS=steps, BUDGET="1000", DEV=dev, CALLS=str(calls))
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True, timeout=60, check=True)
+    return (tmp_path / "out" / "log").read_text(), calls.read_text().splitlines()
+
+
+def test_gpu_check_runs_its_short_steps(tmp_path):
+    "A step whose own timeout is under 15 s (the shared memory's 10 s) runs when the budget allows it."
+    log, _ = gpu_check(tmp_path, "a")
+    assert "SKIPPED" not in log and "=== a. shared memory [timeout 10s" in log and "/dev/shm" in log

@@ -44,9 +44,10 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND with a timeout, log it
   return 0
 }
 
-# wheels of the dependencies the machine lacks, then the package itself (its metadata gives proton.__version__)
+# wheels of the dependencies the machine lacks, then the package itself (its metadata gives proton.__version__); --upgrade:
+# a rerun on a warm machine replaces the copy an earlier run left in /tmp/site, which the benchmarks would import
 step "install wheels" 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-step "install proton" 60 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+step "install proton" 60 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site .
 export PYTHONPATH=/tmp/site
 
 if want a; then

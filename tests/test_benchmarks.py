@@ -114,3 +114,10 @@ def test_gpu_check_runs_its_short_steps(tmp_path):
     "A step whose own timeout is under 15 s (the shared memory's 10 s) runs when the budget allows it."
     log, _ = gpu_check(tmp_path, "a")
     assert "SKIPPED" not in log and "=== a. shared memory [timeout 10s" in log and "/dev/shm" in log
+
+
+def test_gpu_check_installs_over_a_copy_left_by_an_earlier_run(tmp_path):
+    "On a warm machine, /tmp/site holds the previous run's copy of the library: every install must replace it."
+    _, calls = gpu_check(tmp_path, "a")
+    installs = [c for c in calls if "pip install" in c]
+    assert len(installs) == 2 and all("--upgrade" in c for c in installs), installs

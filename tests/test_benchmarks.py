@@ -4,6 +4,7 @@ Their numbers on a CPU describe nothing; what is checked is that every column, p
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,16 @@ def test_gpu_check_installs_over_a_copy_left_by_an_earlier_run(tmp_path):
     _, calls = gpu_check(tmp_path, "a")
     installs = [c for c in calls if "pip install" in c]
     assert len(installs) == 2 and all("--upgrade" in c for c in installs), installs
+
+
+def test_gpu_check_passes_its_device_to_every_benchmark(tmp_path):
+    _, calls = gpu_check(tmp_path, "c d", dev="cpu")
+    scripts = [c for c in calls if c.startswith("benchmarks/")]
+    assert len(scripts) == 6 and all("--device cpu" in c for c in scripts), scripts
+
+
+def test_gpu_check_header_names_every_file_it_writes():
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    header = "".join(line for line in script.splitlines(keepends=True) if line.startswith("#"))
+    written = set(re.findall(r'\$OUT/([\w.]+)"', script))
+    assert len(written) >= 7 and all(name in header for name in written), written

@@ -135,3 +135,19 @@ def test_gpu_check_header_names_every_file_it_writes():
     header = "".join(line for line in script.splitlines(keepends=True) if line.startswith("#"))
     written = set(re.findall(r'\$OUT/([\w.]+)"', script))
     assert len(written) >= 7 and all(name in header for name in written), written
+
+
+def test_a_steady_rate_without_a_measurable_difference_is_nan_and_gets_no_verdict(tmp_path, monkeypatch):
+    "When the run on all files is not slower than the run on half of them (noise, small --n), there is no steady rate to report: NaN, not 0."
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import extract as bench
+    clock, cost = [0.0], {tmp_path / "all": 1.0, tmp_path / "half": 1.2}
+    def fake_extract(vlm, data, out, **kw):
+        clock[0] += cost[Path(data)]
+        Path(out).write_bytes(b"")
+        return [None] * (1000 if Path(data).name == "all" else 500)
+    monkeypatch.setattr(bench, "extract", fake_extract)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    whole, steady = bench.end_to_end(None, tmp_path / "all", tmp_path / "half", 1000, 500, 256, 0, False, False, 2, tmp_path)
+    assert whole == pytest.approx(1000) and math.isnan(steady)
+    assert bench.verdict(dict(steady_ratio=steady / 2000, loader_only=1000, forward_only=2000), quick=False).startswith("no verdict")

@@ -1,6 +1,7 @@
 """The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py`, `benchmarks/extract_probe.py`, `benchmarks/score.py` and `benchmarks/score_files.py`.
 
-Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written."""
+Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written,
+that a bad argument is refused in one line before any work, and what `benchmarks/gpu_check.sh` runs (with python3 stubbed)."""
 import json
 import math
 import os
@@ -151,3 +152,44 @@ def test_a_steady_rate_without_a_measurable_difference_is_nan_and_gets_no_verdic
     whole, steady = bench.end_to_end(None, tmp_path / "all", tmp_path / "half", 1000, 500, 256, 0, False, False, 2, tmp_path)
     assert whole == pytest.approx(1000) and math.isnan(steady)
     assert bench.verdict(dict(steady_ratio=steady / 2000, loader_only=1000, forward_only=2000), quick=False).startswith("no verdict")
+
+
+TINY = ("--quick", "--n", "4", "--batch-size", "2", "--workers", "0")  # should a bad argument be taken, the run is short
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("extract.py", (*TINY, "--models", "vit-b-32,flar", "--paths", "workers"), "'flar'"),
+    ("extract.py", (*TINY, "--models", "vit-b-32", "--paths", "workers,devcie"), "'devcie'"),
+    ("extract.py", (*TINY, "--models", "vit-b-32", "--paths", "device", "--worker-shares", "0,1.5"), "1.5"),
+    ("extract.py", (*TINY, "--worker-shares", "x"), "'x'"),
+    ("extract.py", (*TINY, "--models", "vit-b-32", "--paths", "workers", "--json", "/nonexistent/x.json"), "/nonexistent"),
+    ("extract.py", (*TINY, "--device", "bogus"), "bogus"),
+    ("extract.py", ("--quick", "--n", "0", "--models", "vit-b-32", "--paths", "workers", "--workers", "0"), "--n"),
+    ("run.py", ("--quick", "--device", "bogus"), "bogus"),
+    ("run.py", ("--quick", "--slow-max", "10", "--json", "/nonexistent/x.json"), "/nonexistent"),
+    ("score.py", ("--quick", "--workers", "x"), "'x'"),
+    ("score.py", ("--quick", "--n", "0"), "--n"),
+    ("score.py", ("--quick", "--device", "bogus"), "bogus"),
+    ("score_files.py", ("--quick", "--n", "x"), "'x'"),
+    ("score_files.py", ("--quick", "--n", "0"), "--n"),
+    ("score_files.py", ("--quick", "--chunk-size", "0"), "--chunk-size"),
+    ("suite.py", ("--quick", "--preset", "bogus"), "bogus"),
+    ("suite.py", ("--quick", "--json", "/nonexistent/x.json"), "/nonexistent"),
+    ("decode_parity.py", ("--device", "bogus"), "bogus"),
+    ("decode_parity.py", ("--device", "cpu", "--model", "bogus"), "bogus"),
+    ("extract_probe.py", ("--device", "bogus"), "bogus"),
+    ("extract_probe.py", ("--device", "cpu", "--n", "0"), "--n"),
+    ("extract_probe.py", ("--n", "16", "--batch-size", "4", "--workers", "0"), "CUDA"),  # its default device, cuda
+    ("profile_engine.py", ("--device", "bogus"), "bogus"),
+    ("profile_engine.py", ("--n", "0"), "--n"),
+])
+def test_bad_arguments_are_refused_in_one_line_before_any_work(script, args, named):
+    if named == "CUDA":
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available(): pytest.skip("a GPU is there: cuda is a good device")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    assert "Traceback" not in done.stderr and done.returncode == 2, done.stderr[-1500:]
+    assert last.startswith(f"{script}: error: ") and named in last, last
+    assert done.stdout == "", done.stdout[-500:]  # refused before it printed, measured or wrote anything

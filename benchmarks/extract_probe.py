@@ -210,7 +210,7 @@ def profile(vlm, dataset, pre, batch_size, workers, amp, out_dir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first sentence runs over two lines
     p.add_argument("--n", type=positive, default=8192)
     p.add_argument("--batch-size", type=positive, default=256)
     p.add_argument("--workers", type=non_negative, default=default_workers())

@@ -193,3 +193,9 @@ def test_bad_arguments_are_refused_in_one_line_before_any_work(script, args, nam
     assert "Traceback" not in done.stderr and done.returncode == 2, done.stderr[-1500:]
     assert last.startswith(f"{script}: error: ") and named in last, last
     assert done.stdout == "", done.stdout[-500:]  # refused before it printed, measured or wrote anything
+
+
+def test_extract_probe_help_describes_it_whole():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "extract_probe.py"), "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert "and the pipeline with one change at a time." in " ".join(done.stdout.split())

@@ -21,8 +21,9 @@ import torch
 from PIL import Image
 
 import proton.models.extract as ex
-from proton.models import load_vlm
+from proton.models import check_vlm, load_vlm
 
+from _args import usable_device, writable  # benchmarks/_args.py
 from extract import PHOTOS, photo_crop  # benchmarks/extract.py: the same photographs and crops
 
 
@@ -60,10 +61,12 @@ def gaps(vlm, files, device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=usable_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="open_clip:ViT-B-32/none")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=writable, default=None)
     args = p.parse_args(argv)
+    try: check_vlm(args.model)
+    except ValueError as e: p.error(f"argument --model: {e}")
     vlm = load_vlm(args.model, device=args.device)
     rows = {name: gaps(vlm, files, args.device) for name, files in kinds().items()}
     print(f"per-pixel differences in 1/255 (mean / max), {args.model} preprocessing, device {args.device}"

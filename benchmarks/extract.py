@@ -32,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import platform
 import sys
@@ -50,6 +51,8 @@ import proton.models.extract as ex
 from proton.models import VLM, load_vlm
 from proton.models.extract import (ImageFiles, JpegBytes, _assemble, _at_precision, _Preprocess, as_float_batch, collate_images,
                                    collate_jpeg_bytes, default_workers, device_preprocessing, extract)
+
+from _args import names, non_negative, positive, shares, usable_device, writable  # benchmarks/_args.py
 
 TARGET = 0.50  # the issue's target: end to end (steady) at least half of forward only
 PHOTOS = (skdata.astronaut, skdata.chelsea, skdata.coffee, skdata.rocket, skdata.retina, skdata.immunohistochemistry)
@@ -170,7 +173,7 @@ def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, sha
 
 
 def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device, repeats, scratch, share=0):
-    "Images per second of `extract` (best of `repeats`, after an untimed call): the whole call, and at steady state (all files minus the first half)."
+    "Images per second of `extract` (best of `repeats`, after an untimed call): the whole call, and at steady state (all files minus the first half; NaN if no run on all files was slower than the one on half)."
     def timed(data, count, r):
         out = Path(scratch, f"cache_{r}.npz")
         t = time.perf_counter()
@@ -181,12 +184,12 @@ def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device
         out.unlink()
         return elapsed
     timed(half, n_half, "warm-up")  # not counted: a process's first call pays once for what later calls reuse
-    whole, steady = 0., 0.
+    wholes, steadies = [], []
     for r in range(repeats):
         t_all, t_half = timed(folder, n, r), timed(half, n_half, r)
-        whole = max(whole, n / t_all)
-        steady = max(steady, (n - n_half) / (t_all - t_half) if t_all > t_half else float("nan"))
-    return whole, steady
+        wholes.append(n / t_all)
+        if t_all > t_half: steadies.append((n - n_half) / (t_all - t_half))  # else no difference to measure (noise, small --n)
+    return max(wholes), max(steadies, default=float("nan"))
 
 
 @contextlib.contextmanager
@@ -244,6 +247,15 @@ def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch, shar
     return dict(out), total
 
 
+def verdict(row, # a measured row of the table
+            quick): # whether the run had --quick's small counts
+    "Whether the row meets the target, or why it cannot say."
+    if quick: return "no verdict: with small counts, fixed costs and timing noise dominate"
+    if math.isnan(row["steady_ratio"]): return "no verdict: the run on all files was not slower than the run on half of them"
+    if row["steady_ratio"] >= TARGET: return "met"
+    return "missed: the loader limits it" if row["loader_only"] < row["forward_only"] else "missed"
+
+
 def machine(device):
     if device.type == "cuda": return f"GPU {torch.cuda.get_device_name(device)}, {os.cpu_count()} CPU cores"
     return f"CPU only: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores"
@@ -251,23 +263,23 @@ def machine(device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=usable_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke test that runs in a few minutes on a CPU")
-    p.add_argument("--n", type=int, default=None, help="images per model (default 2048; --quick 32); thousands for a steady state")
-    p.add_argument("--batch-size", type=int, default=None, help="default 64 (--quick 8)")
-    p.add_argument("--workers", type=int, default=None, help=f"DataLoader workers (default {default_workers()} here)")
-    p.add_argument("--repeats", type=int, default=None, help="end-to-end runs, best reported (default 2; --quick 1)")
-    p.add_argument("--warmup-batches", type=int, default=None, help="loader batches not timed (default: one per worker; at least 1)")
-    p.add_argument("--fundus-size", type=int, default=None, help="side of the PNG fundus files (default 2048, FIVES; --quick 512)")
-    p.add_argument("--png-level", type=int, default=1, help="zlib level of the PNG files (default 1, quick to write; 0 as the data scripts' --resize stores them)")
-    p.add_argument("--models", default="flair,vit-b-32", help="comma-separated: flair, vit-b-32")
-    p.add_argument("--paths", default="workers,device", help="comma-separated decoding paths: workers, device")
-    p.add_argument("--worker-shares", default="0", help="comma-separated worker_share values timed on the device path (default 0)")
+    p.add_argument("--n", type=positive, default=None, help="images per model (default 2048; --quick 32); thousands for a steady state")
+    p.add_argument("--batch-size", type=positive, default=None, help="default 64 (--quick 8)")
+    p.add_argument("--workers", type=non_negative, default=None, help=f"DataLoader workers (default {default_workers()} here)")
+    p.add_argument("--repeats", type=positive, default=None, help="end-to-end runs, best reported (default 2; --quick 1)")
+    p.add_argument("--warmup-batches", type=non_negative, default=None, help="loader batches not timed (default: one per worker; at least 1)")
+    p.add_argument("--fundus-size", type=positive, default=None, help="side of the PNG fundus files (default 2048, FIVES; --quick 512)")
+    p.add_argument("--png-level", type=int, choices=range(10), default=1, help="zlib level of the PNG files (default 1, quick to write; 0 as the data scripts' --resize stores them)")
+    p.add_argument("--models", type=names("flair", "vit-b-32"), default="flair,vit-b-32", help="comma-separated: flair, vit-b-32")
+    p.add_argument("--paths", type=names("workers", "device"), default="workers,device", help="comma-separated decoding paths: workers, device")
+    p.add_argument("--worker-shares", type=shares, default="0", help="comma-separated worker_share values timed on the device path (default 0)")
     p.add_argument("--amp", action="store_true", help="forward passes under float16 autocast (extract's amp=True); default float32")
     p.add_argument("--flair-checkpoint", default=None, help="time the released flair_resnet.pth instead of random weights")
     p.add_argument("--flair-tokenizer", default=None, help="folder with Bio_ClinicalBERT's vocab.txt (with --flair-checkpoint)")
     p.add_argument("--breakdown", action="store_true", help="also time one end-to-end run stage by stage, per thread")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--json", type=writable, default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     n = args.n or (32 if args.quick else 2048)
@@ -277,36 +289,33 @@ def main(argv=None):
     warmup_batches = max(1, workers if args.warmup_batches is None else args.warmup_batches)
     fundus = args.fundus_size or (512 if args.quick else 2048)
     precision = "float16 autocast" if args.amp else "float32"
-    shares = [float(s) for s in args.worker_shares.split(",")]
     on_cpu = device.type != "cuda"
     print(f"extraction throughput on {machine(device)}; torch {torch.__version__}; {n} images per model, batch {batch_size}, "
           f"{workers} workers, forward passes in {precision} (all columns)")
     if on_cpu: print("CPU numbers" + (" (--quick, small counts)" if args.quick else "") + ": they describe this CPU, not a GPU run")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for model in args.models.split(","):
+        for model in args.models:
             folder = Path(scratch, model)
             t = time.perf_counter()
             if model == "flair":
                 fundus_files(folder, n, fundus, args.png_level, jobs=os.cpu_count())
                 vlm, weights = load_flair_model(args, device, scratch)
                 label, files = "FLAIR ResNet-50, 512x512", f"PNG {fundus}x{fundus} z{args.png_level}"
-            elif model == "vit-b-32":
+            else:
                 photo_files(folder, n, jobs=os.cpu_count())
                 vlm, weights = load_vlm("open_clip:ViT-B-32/none", device=device), "random weights"
                 label, files = "ViT-B/32, 224x224", "JPEG 500x375"
-            else: p.error(f"unknown model {model!r}: choose from flair, vit-b-32")
             print(f"{label}: {n} files written in {time.perf_counter() - t:.1f} s", flush=True)
             half, n_half = half_folder(folder, scratch)
             fwd = forward_only(vlm, folder, batch_size, n, warmup=1 if args.quick else 3, amp=args.amp)
-            for path in args.paths.split(","):
-                if path not in ("workers", "device"): p.error(f"unknown path {path!r}: choose from workers, device")
+            for path in args.paths:
                 on_device, why = (None, "") if path == "workers" else device_preprocessing(vlm)
                 row = dict(model=label, weights=weights, files=files, path=path, precision=precision, device=str(device), images=n,
                            batch_size=batch_size, workers=workers, forward_only=fwd)
                 if path == "device" and on_device is None:
                     rows.append(row | dict(refused=why)); continue
-                for share in shares if path == "device" else [0]:
+                for share in args.worker_shares if path == "device" else [0]:
                     name = path if share == 0 else f"{path} {share:g}w"  # the workers decode a share of the files all the same
                     load = loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, share)
                     whole, steady = end_to_end(vlm, folder, half, n, n_half, batch_size, workers, args.amp, path == "device", repeats, scratch, share)
@@ -331,11 +340,8 @@ def main(argv=None):
               f"{r['end_to_end_steady']:>12.1f}{r['loader_ratio']:>11.2f}{r['ratio']:>9.2f}{r['steady_ratio']:>11.2f}")
     for r in rows:
         if "refused" in r: continue
-        if args.quick: verdict = "no verdict: with small counts, fixed costs and timing noise dominate"
-        elif r["steady_ratio"] >= TARGET: verdict = "met"
-        else: verdict = "missed: the loader limits it" if r["loader_only"] < r["forward_only"] else "missed"
         print(f"{r['model']}, {r['path']}: end to end (steady) / forward only = {r['steady_ratio']:.0%} "
-              f"(target {TARGET:.0%}{', a GPU target' if on_cpu else ''}): {verdict}")
+              f"(target {TARGET:.0%}{', a GPU target' if on_cpu else ''}): {verdict(r, args.quick)}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=machine(device), cpu_only=on_cpu, quick=args.quick, precision=precision, rows=rows), indent=2))
     return 0

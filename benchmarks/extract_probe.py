@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _args import non_negative, positive, usable_device, writable  # noqa: E402  (benchmarks/_args.py)
 from extract import listing, photo_files, sync  # noqa: E402  (benchmarks/extract.py)
 
 from proton.models import load_vlm  # noqa: E402
@@ -209,17 +210,18 @@ def profile(vlm, dataset, pre, batch_size, workers, amp, out_dir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n", type=int, default=8192)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=default_workers())
-    p.add_argument("--skip", type=int, default=4, help="batches not counted at the start of each pipeline")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first sentence runs over two lines
+    p.add_argument("--n", type=positive, default=8192)
+    p.add_argument("--batch-size", type=positive, default=256)
+    p.add_argument("--workers", type=non_negative, default=default_workers())
+    p.add_argument("--skip", type=non_negative, default=4, help="batches not counted at the start of each pipeline")
     p.add_argument("--fp32", action="store_true", help="float32 forward passes (default float16 autocast)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out-dir", default=None, help="where the profile's table and trace go")
-    p.add_argument("--json", default=None)
-    p.add_argument("--device", default="cuda", help="cuda; cpu runs it as a smoke test of the code, not a measurement")
+    p.add_argument("--json", type=writable, default=None)
+    p.add_argument("--device", type=usable_device, default="cuda", help="cuda; cpu runs it as a smoke test of the code, not a measurement")
     args = p.parse_args(argv)
+    if args.skip + 2 > (batches := -(-args.n // args.batch_size)): p.error(f"argument --skip: {args.skip} leaves fewer than 2 of the {batches} batches to time")
     amp, device = not args.fp32, torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)"
     print(f"{name}; torch {torch.__version__}; {args.n} JPEG 500x375, batch {args.batch_size}, "

@@ -5,7 +5,8 @@
 # The wheels, fetched where pip works (the GPU machine has torch, torchvision and the rest):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13
-# Everything it measures goes to $OUT: log, bench_cuda.json, suite.json, extract_*.json.
+# Everything it measures goes to $OUT: log; bench_cuda.json (c); suite.json (e); extract_vit_amp.json, probe_amp.json,
+# extract_vit_fp32.json, extract_flair_512.json and decode_parity.json (d).
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: the device path's tests on CUDA (nvJPEG
 # parity with the CPU preprocessing, no host synchronisation while staging), then throughput at steady state, the most
@@ -15,9 +16,9 @@
 # copies of the loop with one change each); ViT-B/32 in float32, both paths; FLAIR on 4,096 PNG files stored at its input
 # resolution without compression, as the data scripts' --resize 512 prepares them; then pixels made floats on the device
 # exactly as on the CPU, and nvJPEG's parity by kind of JPEG file.
-# Every step has its own timeout, capped so the whole script ends within BUDGET seconds (keep BUDGET at 60 or more:
-# below that, the install steps themselves are skipped); a step that fails or
-# times out is logged and the next one runs.
+# Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step whose timeout that cap
+# cuts below 15 s is skipped (below a BUDGET of 30, the install steps themselves); a step that fails or times out is
+# logged and the next one runs.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
@@ -32,7 +33,8 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND with a timeout, log it
   local name=$1 max=$2; shift 2
   local left=$(( BUDGET - SECONDS - 15 ))  # 15 s: the kill grace of timeout -k, and the summary
   local t=$(( max < left ? max : left ))
-  if (( t < 15 )); then echo "=== $name: SKIPPED, ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"; return 0; fi
+  # skipped when the budget cuts its timeout below 15 s; a step whose own maximum is shorter runs in full
+  if (( t < max && t < 15 )); then echo "=== $name: SKIPPED, ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"; return 0; fi
   local cmd="$*"
   echo "=== $name [timeout ${t}s, t=${SECONDS}s, $(date -u +%H:%M:%S)]: ${cmd%%$'\n'*}" | tee -a "$LOG"
   local t0=$SECONDS
@@ -43,9 +45,10 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND with a timeout, log it
   return 0
 }
 
-# wheels of the dependencies the machine lacks, then the package itself (its metadata gives proton.__version__)
+# wheels of the dependencies the machine lacks, then the package itself (its metadata gives proton.__version__); --upgrade:
+# a rerun on a warm machine replaces the copy an earlier run left in /tmp/site, which the benchmarks would import
 step "install wheels" 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-step "install proton" 60 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+step "install proton" 60 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site .
 export PYTHONPATH=/tmp/site
 
 if want a; then
@@ -97,7 +100,7 @@ if want d; then
 # d. extraction: the device path's parity on CUDA (nvJPEG; prints the measured pixel difference), then throughput at steady state
 step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
 step "d. extract ViT-B/32 amp" 150 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --worker-shares 0,0.25,0.5 --breakdown --json "$OUT/extract_vit_amp.json"
-step "d. probe" 120 python3 benchmarks/extract_probe.py --json "$OUT/probe_amp.json"
+step "d. probe" 120 python3 benchmarks/extract_probe.py --device $DEV --json "$OUT/probe_amp.json"
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
 step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"
 step "d. pixels on the device" 60 python3 -c '

@@ -13,16 +13,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _args import positive, usable_device  # benchmarks/_args.py
 from run import stream, sync
 from proton import Proton
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--n", type=int, default=1_000_000, help="stream length")
-    p.add_argument("--classes", type=int, default=2)
-    p.add_argument("--rows", type=int, default=30, help="operators to list")
+    p.add_argument("--device", type=usable_device, default="cpu")
+    p.add_argument("--n", type=positive, default=1_000_000, help="stream length")
+    p.add_argument("--classes", type=positive, default=2)
+    p.add_argument("--rows", type=positive, default=30, help="operators to list")
     a = p.parse_args(argv)
     T, X = stream(a.n, a.classes, device=a.device)
     Proton(T).score(X[:100_000]); sync(a.device)  # warm-up

@@ -23,6 +23,8 @@ from proton import Proton, ProtonConfig
 from proton.detector import DEFAULT_TEMPERATURE
 from proton.scores import as_unit_rows
 
+from _args import positive, usable_device, writable  # benchmarks/_args.py
+
 
 def stream(n, n_classes, dim=512, seed=0, device="cpu"):
     "Text embeddings and a clustered (n, dim) float32 stream on `device`: class centres plus noise, so most images pass the gate."
@@ -140,9 +142,9 @@ def table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes only (a minute)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", help="also write all results to this file")
-    p.add_argument("--slow-max", type=int, help="largest N for the per-image paths (default: 10^6 on a CPU, 10^3 on a GPU)")
+    p.add_argument("--device", type=usable_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", type=writable, help="also write all results to this file")
+    p.add_argument("--slow-max", type=positive, help="largest N for the per-image paths (default: 10^6 on a CPU, 10^3 on a GPU)")
     a = p.parse_args(argv)
     sizes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000, 1_000_000] + ([10_000_000] if a.device == "cuda" else [])
     machine = dict(python=platform.python_version(), torch=torch.__version__, cpu=platform.processor() or platform.machine(),

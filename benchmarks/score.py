@@ -26,6 +26,8 @@ from proton.models import load_vlm
 from proton.models.extract import default_workers
 from proton.models.score import score_stream
 
+from _args import positive, positives, usable_device, writable  # benchmarks/_args.py
+
 
 def fundus_files(folder, n, size):
     "n PNG files of size x size pixels: the retina, turned by a few degrees more for each file."
@@ -44,16 +46,16 @@ def timed_run(folder, out, vlm, workers, batch_size):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n", type=int, default=None, help="image files (default 128; --quick 8)")
-    p.add_argument("--size", type=int, default=None, help="side of the PNG files in pixels (default 2048, as FIVES; --quick 256)")
-    p.add_argument("--workers", default=None, help=f"comma-separated thread counts compared with 1 (default: {default_workers()}, this machine's)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--n", type=positive, default=None, help="image files (default 128; --quick 8)")
+    p.add_argument("--size", type=positive, default=None, help="side of the PNG files in pixels (default 2048, as FIVES; --quick 256)")
+    p.add_argument("--workers", type=positives, default=None, help=f"comma-separated thread counts compared with 1 (default: {default_workers()}, this machine's)")
+    p.add_argument("--batch-size", type=positive, default=32)
+    p.add_argument("--device", type=usable_device, default="cpu")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke test, no claim")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=writable, default=None)
     args = p.parse_args(argv)
     n, size = args.n or (8 if args.quick else 128), args.size or (256 if args.quick else 2048)
-    counts = [int(w) for w in (args.workers or str(default_workers())).split(",")]
+    counts = args.workers or [default_workers()]
     vlm = load_vlm("open_clip:ViT-S-32/none", device=args.device)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
     print(f"score_stream on {n} PNG files of {size}x{size}, open_clip ViT-S/32 (random weights) on {args.device}; {machine}")

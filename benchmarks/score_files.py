@@ -26,6 +26,8 @@ import torch
 from proton.bench import EmbeddingCache, SyntheticWorld
 from proton.models.score import Results, score_stream
 
+from _args import positive, positives, writable  # benchmarks/_args.py
+
 
 def timed_run(cache, out, chunk_size):
     "Seconds `score_stream` takes to score the images of `cache` not yet in `out`."
@@ -45,12 +47,12 @@ def peak_mib(f, *args, **kwargs):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n", default=None, help="comma-separated stream lengths (default 10000,30000,100000; --quick 300,600)")
-    p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk (score's default)")
+    p.add_argument("--n", type=positives, default=None, help="comma-separated stream lengths (default 10000,30000,100000; --quick 300,600)")
+    p.add_argument("--chunk-size", type=positive, default=256, help="images per committed chunk (score's default)")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke test, no claim")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=writable, default=None)
     args = p.parse_args(argv)
-    sizes = [int(n) for n in (args.n or ("300,600" if args.quick else "10000,30000,100000")).split(",")]
+    sizes = args.n or ([300, 600] if args.quick else [10_000, 30_000, 100_000])
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
     print(f"score_stream on a simulated cache (d = 512), chunks of {args.chunk_size}, CSV against Parquet; {machine}")
     rows = []

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _args import positive, writable  # benchmarks/_args.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in the child process: the console script's `main`, with each experiment timed. Prints one tagged JSON line.
@@ -52,22 +54,22 @@ def machine():
 
 
 def main(argv=None):
+    from proton import __version__
+    from proton.bench.cache import EmbeddingCache
+    from proton.bench.synth import PRESETS, SyntheticWorld
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n-id", type=int, default=1200, help="ID images of the synthetic cache")
-    p.add_argument("--n-per-shift", type=int, default=600, help="images of each OOD shift (semantic, covariate, far)")
-    p.add_argument("--dim", type=int, default=512, help="embedding dimension")
-    p.add_argument("--preset", default="default", help="SyntheticWorld preset")
+    p.add_argument("--n-id", type=positive, default=1200, help="ID images of the synthetic cache")
+    p.add_argument("--n-per-shift", type=positive, default=600, help="images of each OOD shift (semantic, covariate, far)")
+    p.add_argument("--dim", type=positive, default=512, help="embedding dimension")
+    p.add_argument("--preset", choices=PRESETS, default="default", help="SyntheticWorld preset")
     p.add_argument("--experiments", default="all", help="passed to proton-ood evaluate --experiments")
-    p.add_argument("--permutations", type=int, default=5, help="passed to proton-ood evaluate --permutations")
+    p.add_argument("--permutations", type=positive, default=5, help="passed to proton-ood evaluate --permutations")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the evaluation process is killed")
-    p.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    p.add_argument("--json", type=writable, default=None, help="also write the summary to this JSON file")
     p.add_argument("--quick", action="store_true", help="a smoke test: 200 ID + 100 per shift, 1 permutation")
     args = p.parse_args(argv)
     if args.quick: args.n_id, args.n_per_shift, args.permutations = 200, 100, 1
-
-    from proton import __version__
-    from proton.bench.cache import EmbeddingCache
-    from proton.bench.synth import SyntheticWorld
 
     summary = dict(what="proton-ood evaluate --experiments " + args.experiments, library_version=__version__,
                    device="cpu", device_note="proton-ood evaluate has no device option: it runs on CPU torch tensors",

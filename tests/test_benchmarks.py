@@ -1,9 +1,11 @@
 """The benchmark scripts keep working on a CPU: tiny runs of `benchmarks/extract.py`, `benchmarks/decode_parity.py`, `benchmarks/extract_probe.py`, `benchmarks/score.py` and `benchmarks/score_files.py`.
 
-Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written."""
+Their numbers on a CPU describe nothing; what is checked is that every column, path and stage is measured and written,
+that a bad argument is refused in one line before any work, and what `benchmarks/gpu_check.sh` runs (with python3 stubbed)."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +98,104 @@ def test_results_file_benchmark_times_both_formats_on_the_same_rows(tmp_path):
     assert [r["n"] for r in rows] == [100, 300] and "no claim" in printed  # the script asserts that both files hold the same rows
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["csv_s"] > 0 for r in rows)
     assert all(r[f"{kind}_{what}"] > 0 for r in rows for kind in ("csv", "parquet") for what in ("one_more_s", "read_all_mib", "read_paths_mib"))
+
+
+def gpu_check(tmp_path, steps, dev="cpu"):
+    "benchmarks/gpu_check.sh run with `python3` and `nvidia-smi` stubbed: its log, and each python3 call's arguments."
+    stubs, calls = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir()
+    for name, body in (("python3", 'printf "%s " "$@" | tr "\\n" " " >> "$CALLS"; echo >> "$CALLS"'), ("nvidia-smi", "echo GPU 0: stub")):
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), STEPS=steps, BUDGET="1000", DEV=dev, CALLS=str(calls))
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True, timeout=60, check=True)
+    return (tmp_path / "out" / "log").read_text(), calls.read_text().splitlines()
+
+
+def test_gpu_check_runs_its_short_steps(tmp_path):
+    "A step whose own timeout is under 15 s (the shared memory's 10 s) runs when the budget allows it."
+    log, _ = gpu_check(tmp_path, "a")
+    assert "SKIPPED" not in log and "=== a. shared memory [timeout 10s" in log and "/dev/shm" in log
+
+
+def test_gpu_check_installs_over_a_copy_left_by_an_earlier_run(tmp_path):
+    "On a warm machine, /tmp/site holds the previous run's copy of the library: every install must replace it."
+    _, calls = gpu_check(tmp_path, "a")
+    installs = [c for c in calls if "pip install" in c]
+    assert len(installs) == 2 and all("--upgrade" in c for c in installs), installs
+
+
+def test_gpu_check_passes_its_device_to_every_benchmark(tmp_path):
+    _, calls = gpu_check(tmp_path, "c d", dev="cpu")
+    scripts = [c for c in calls if c.startswith("benchmarks/")]
+    assert len(scripts) == 6 and all("--device cpu" in c for c in scripts), scripts
+
+
+def test_gpu_check_header_names_every_file_it_writes():
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    header = "".join(line for line in script.splitlines(keepends=True) if line.startswith("#"))
+    written = set(re.findall(r'\$OUT/([\w.]+)"', script))
+    assert len(written) >= 7 and all(name in header for name in written), written
+
+
+def test_a_steady_rate_without_a_measurable_difference_is_nan_and_gets_no_verdict(tmp_path, monkeypatch):
+    "When the run on all files is not slower than the run on half of them (noise, small --n), there is no steady rate to report: NaN, not 0."
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import extract as bench
+    clock, cost = [0.0], {tmp_path / "all": 1.0, tmp_path / "half": 1.2}
+    def fake_extract(vlm, data, out, **kw):
+        clock[0] += cost[Path(data)]
+        Path(out).write_bytes(b"")
+        return [None] * (1000 if Path(data).name == "all" else 500)
+    monkeypatch.setattr(bench, "extract", fake_extract)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    whole, steady = bench.end_to_end(None, tmp_path / "all", tmp_path / "half", 1000, 500, 256, 0, False, False, 2, tmp_path)
+    assert whole == pytest.approx(1000) and math.isnan(steady)
+    assert bench.verdict(dict(steady_ratio=steady / 2000, loader_only=1000, forward_only=2000), quick=False).startswith("no verdict")
+
+
+TINY = ("--quick", "--n", "4", "--batch-size", "2", "--workers", "0")  # should a bad argument be taken, the run is short
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("extract.py", (*TINY, "--models", "vit-b-32,flar", "--paths", "workers"), "'flar'"),
+    ("extract.py", (*TINY, "--models", "vit-b-32", "--paths", "workers,devcie"), "'devcie'"),
+    ("extract.py", (*TINY, "--models", "vit-b-32", "--paths", "device", "--worker-shares", "0,1.5"), "1.5"),
+    ("extract.py", (*TINY, "--worker-shares", "x"), "'x'"),
+    ("extract.py", (*TINY, "--models", "vit-b-32", "--paths", "workers", "--json", "/nonexistent/x.json"), "/nonexistent"),
+    ("extract.py", (*TINY, "--device", "bogus"), "bogus"),
+    ("extract.py", ("--quick", "--n", "0", "--models", "vit-b-32", "--paths", "workers", "--workers", "0"), "--n"),
+    ("run.py", ("--quick", "--device", "bogus"), "bogus"),
+    ("run.py", ("--quick", "--slow-max", "10", "--json", "/nonexistent/x.json"), "/nonexistent"),
+    ("score.py", ("--quick", "--workers", "x"), "'x'"),
+    ("score.py", ("--quick", "--n", "0"), "--n"),
+    ("score.py", ("--quick", "--device", "bogus"), "bogus"),
+    ("score_files.py", ("--quick", "--n", "x"), "'x'"),
+    ("score_files.py", ("--quick", "--n", "0"), "--n"),
+    ("score_files.py", ("--quick", "--chunk-size", "0"), "--chunk-size"),
+    ("suite.py", ("--quick", "--preset", "bogus"), "bogus"),
+    ("suite.py", ("--quick", "--json", "/nonexistent/x.json"), "/nonexistent"),
+    ("decode_parity.py", ("--device", "bogus"), "bogus"),
+    ("decode_parity.py", ("--device", "cpu", "--model", "bogus"), "bogus"),
+    ("extract_probe.py", ("--device", "bogus"), "bogus"),
+    ("extract_probe.py", ("--device", "cpu", "--n", "0"), "--n"),
+    ("extract_probe.py", ("--n", "16", "--batch-size", "4", "--workers", "0"), "CUDA"),  # its default device, cuda
+    ("profile_engine.py", ("--device", "bogus"), "bogus"),
+    ("profile_engine.py", ("--n", "0"), "--n"),
+])
+def test_bad_arguments_are_refused_in_one_line_before_any_work(script, args, named):
+    if named == "CUDA":
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available(): pytest.skip("a GPU is there: cuda is a good device")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    assert "Traceback" not in done.stderr and done.returncode == 2, done.stderr[-1500:]
+    assert last.startswith(f"{script}: error: ") and named in last, last
+    assert done.stdout == "", done.stdout[-500:]  # refused before it printed, measured or wrote anything
+
+
+def test_extract_probe_help_describes_it_whole():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "extract_probe.py"), "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert "and the pipeline with one change at a time." in " ".join(done.stdout.split())

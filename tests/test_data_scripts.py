@@ -829,14 +829,20 @@ def test_a_bad_dicom_file_is_named(tmp_path, damage):
         list(view.read_many([key]))
 
 
+@pytest.fixture(scope="module")
+def write_dicom():
+    "tests/test_dicom.py's writer, imported before a hypothesis test runs: that module's own @given tests, defined inside one, would nest."
+    pytest.importorskip("pydicom")
+    from test_dicom import write_dicom
+    return write_dicom
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bits=st.sampled_from([8, 12, 16]), photometric=st.sampled_from(["MONOCHROME1", "MONOCHROME2"]),
        window=st.one_of(st.none(), st.tuples(st.integers(-500, 3000), st.integers(1, 4000))),
        rescale=st.sampled_from([None, (1, 0), (2, -1024)]), seed=st.integers(0, 2**16))
-def test_the_data_script_converts_a_dicom_file_as_the_library_reads_it(tmp_path, bits, photometric, window, rescale, seed):
+def test_the_data_script_converts_a_dicom_file_as_the_library_reads_it(tmp_path, write_dicom, bits, photometric, window, rescale, seed):
     "A radiograph prepared as PNG reaches the model as `proton-ood score` reads the same DICOM file: one conversion, not two."
-    pytest.importorskip("pydicom")
-    from test_dicom import write_dicom
     from proton.models.vlm import read_image
     pixels = np.random.default_rng(seed).integers(0, 2**bits, (6, 7)).astype(np.uint8 if bits == 8 else np.uint16)
     tags = {} if window is None else dict(WindowCenter=window[0], WindowWidth=window[1])

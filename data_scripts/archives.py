@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from proton.bench.prepared import SKIPPED_FILES
+from proton.deploy import replace_atomically
 
 
 class LayoutError(ValueError):
@@ -192,21 +193,21 @@ def safe_name(name: str) -> str:
 
 
 def gunzip_once(path: Path) -> Path:
-    """Decompress ``x.gz`` next to itself once (atomically) and return the decompressed path; other paths pass through."""
+    """Decompress ``x.gz`` next to itself once and return the decompressed path; other paths pass through.
+
+    Each run decompresses into a temporary file of its own, renamed to ``x`` once complete, so ``x`` is
+    always whole, even while another run sharing the folder decompresses the same file.
+    """
     path = Path(path)
     if path.suffix != ".gz":
         return path
     out = path.with_suffix("")
     if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
         try:
-            with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(tmp, out)
+            with gzip.open(path, "rb") as src:  # nothing half-decompressed stays behind
+                replace_atomically(out, lambda dst: shutil.copyfileobj(src, dst, 1 << 20))
         except (EOFError, gzip.BadGzipFile, zlib.error) as err:
             raise LayoutError(f"{path} is not a complete gzip file ({err}); delete it and download it again") from err
-        finally:
-            tmp.unlink(missing_ok=True)  # nothing half-decompressed stays behind
     return out
 
 

@@ -936,6 +936,49 @@ def test_bad_pcam_files_are_named(tmp_path, case, message):
     assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "pcam_x.h5").exists()
 
 
+# ------------------------------------------------------------------------------------------ runs sharing --raw: decompressing and extracting
+
+import time  # noqa: E402
+
+
+def test_two_runs_decompressing_one_file_each_get_it_whole(tmp_path, monkeypatch):
+    "Two runs decompressing PCam at once (one --raw): the second starts while the first writes; the .h5 that appears is whole."
+    data = bytes(range(256)) * 3000
+    gz = tmp_path / "x.h5.gz"
+    gz.write_bytes(gzip.compress(data))
+    real_open, reached, done, got = gzip.open, {"a": threading.Event(), "b": threading.Event()}, threading.Event(), {}
+
+    class Paced:  # gzip.open's file, read 10,000 bytes at a time: 'a' waits at its 3rd read for 'b' to reach its 2nd
+        def __init__(self, *args): self.f, self.reads = real_open(*args), 0
+        def __enter__(self): return self
+        def __exit__(self, *exc): self.f.close()
+        def read(self, n=-1):
+            self.reads += 1
+            me = threading.current_thread().name
+            if (me, self.reads) in (("a", 3), ("b", 2)):
+                reached[me].set()
+                assert (reached["b"] if me == "a" else done).wait(10), f"{me} waited in vain"
+            return self.f.read(10_000)
+
+    def decompress(me):
+        try: got[me] = archives.gunzip_once(gz).read_bytes()
+        except BaseException as err: got[me] = err
+        finally:
+            if me == "a": done.set()
+            reached[me].set()
+
+    monkeypatch.setattr(gzip, "open", Paced)
+    a = threading.Thread(target=decompress, args=("a",), name="a")
+    a.start()
+    assert reached["a"].wait(10)
+    b = threading.Thread(target=decompress, args=("b",), name="b")
+    b.start()
+    a.join(); b.join()
+    assert got["a"] == data, f"the first run's .h5 is not the file: {got['a'] if isinstance(got['a'], Exception) else 'wrong bytes'}"
+    assert got["b"] == data and (tmp_path / "x.h5").read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.h5", "x.h5.gz"], "no temporary file is left"
+
+
 # ------------------------------------------------------------------------------------------ views and folders
 
 def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):

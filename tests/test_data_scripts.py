@@ -1062,6 +1062,24 @@ def test_what_a_killed_extraction_left_is_cleared(slow_rar):
     assert sorted(p.name for p in s.rar.parent.iterdir()) == ["FIVES.rar", "FIVES.rar.d"]
 
 
+@pytest.mark.parametrize("raw,message", [("out", "--raw {out} is also --out"),
+                                         ("out/raw", "--raw {out}/raw is inside --out {out}"),
+                                         (".out.partial/raw", "--raw {tmp}/.out.partial/raw is inside {tmp}/.out.partial, where --out {out} is built")])
+def test_a_raw_inside_out_is_refused_before_any_download(tmp_path, monkeypatch, capsys, raw, message):
+    "Downloads kept in --out (or where a run builds it) would make --out a folder no run may replace, or be deleted with it."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before --raw was checked"))
+    for dry in ([], ["--dry-run"]):
+        assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / raw), *dry]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {message.format(out=tmp_path / 'out', tmp=tmp_path)}; keep downloads in a folder outside it\n"
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def test_an_out_inside_raw_is_accepted(tmp_path, capsys):
+    "The prepared folder may live in the download folder: a run replaces only --out and what it builds beside it."
+    assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "raw/out"), "--raw", str(tmp_path / "raw"), "--dry-run"]) == 0
+
+
 # ------------------------------------------------------------------------------------------ views and folders
 
 def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):

@@ -1,10 +1,13 @@
 """Reading the sources' archives for the data scripts: zip, tar, rar and plain folders, and views of the images in them."""
 from __future__ import annotations
 
+import contextlib
+import glob
 import gzip
 import io
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tarfile
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from proton.bench.prepared import SKIPPED_FILES
+from proton.deploy import hold_lock, replace_atomically
 
 
 class LayoutError(ValueError):
@@ -99,7 +103,11 @@ RAR_TOOLS = (  # tried in this order; 7z builds without the non-free RAR codec f
 
 
 def extract_rar(path: Path) -> Path:
-    """Extract a RAR archive once into ``<archive>.d`` with the first external tool that manages it."""
+    """Extract a RAR archive once into ``<archive>.d`` with the first external tool that manages it.
+
+    One run at a time extracts (another sharing the folder stops at once), into a temporary folder of its own
+    renamed to ``<archive>.d`` once complete; what a killed run left is cleared first.
+    """
     dest = path.with_name(path.name + ".d")
     if (dest / ".complete").exists():
         return dest
@@ -110,15 +118,27 @@ def extract_rar(path: Path) -> Path:
                           "`apt-get install -y libarchive-tools` (bsdtar) or `apt-get install -y unrar`, "
                           "or extract it yourself and pass the folder with --local")
     failures = []
-    for name, cmd in tools:
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
-        result = subprocess.run(cmd(path, dest), capture_output=True, text=True)
-        if result.returncode == 0:
-            (dest / ".complete").touch()
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(hold_lock(path.with_name(f".{dest.name}.lock"), remove=True))
+        except BlockingIOError:
+            raise BlockingIOError(f"another run is extracting {path}; wait for it to end") from None
+        if (dest / ".complete").exists():  # extracted by a run that ended since
             return dest
-        failures.append(f"{name}: exit {result.returncode} {result.stderr.strip()[-300:]}")
-    shutil.rmtree(dest, ignore_errors=True)
+        for stale in (dest, *path.parent.glob(f".{glob.escape(dest.name)}.*.tmp")):  # an earlier version's, a killed run's
+            shutil.rmtree(stale, ignore_errors=True)
+        for name, cmd in tools:
+            tmp = path.with_name(f".{dest.name}.{secrets.token_hex(6)}.tmp")
+            tmp.mkdir()  # the umask's permissions, not mkdtemp's 0700: --raw may be shared
+            try:
+                result = subprocess.run(cmd(path, tmp), capture_output=True, text=True)
+                if result.returncode == 0:
+                    (tmp / ".complete").touch()
+                    tmp.rename(dest)
+                    return dest
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted extraction; gone once renamed
+            failures.append(f"{name}: exit {result.returncode} {result.stderr.strip()[-300:]}")
     raise LayoutError(f"could not extract {path}:\n  " + "\n  ".join(failures))
 
 
@@ -192,21 +212,21 @@ def safe_name(name: str) -> str:
 
 
 def gunzip_once(path: Path) -> Path:
-    """Decompress ``x.gz`` next to itself once (atomically) and return the decompressed path; other paths pass through."""
+    """Decompress ``x.gz`` next to itself once and return the decompressed path; other paths pass through.
+
+    Each run decompresses into a temporary file of its own, renamed to ``x`` once complete, so ``x`` is
+    always whole, even while another run sharing the folder decompresses the same file.
+    """
     path = Path(path)
     if path.suffix != ".gz":
         return path
     out = path.with_suffix("")
     if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
         try:
-            with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(tmp, out)
+            with gzip.open(path, "rb") as src:  # nothing half-decompressed stays behind
+                replace_atomically(out, lambda dst: shutil.copyfileobj(src, dst, 1 << 20))
         except (EOFError, gzip.BadGzipFile, zlib.error) as err:
             raise LayoutError(f"{path} is not a complete gzip file ({err}); delete it and download it again") from err
-        finally:
-            tmp.unlink(missing_ok=True)  # nothing half-decompressed stays behind
     return out
 
 

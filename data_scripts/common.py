@@ -15,8 +15,8 @@ from pathlib import Path
 
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
-from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, check_claimable, check_unlocked, claim_folder, image_path,
-                                   write_classes_file, write_prompt_sets, write_split_table)
+from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, check_unlocked, claim_folder,
+                                   image_path, write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
 from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
 
@@ -210,6 +210,17 @@ def check_counts(limit: int | None, resize: int | None) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}")
 
 
+def check_raw(raw: Path, # the download folder
+              out: Path, # the prepared folder
+              ) -> None:
+    """Refuse a ``--raw`` that is ``--out``, or inside it or the folders beside it that a run builds it in and clears."""
+    raw, out = raw.resolve(), out.resolve()
+    for place in (out, *_places(out)[:2]):  # beside out, or inside it when it is a mount point
+        if raw == place or place in raw.parents:
+            where = "also --out" if raw == out else f"inside --out {out}" if place == out else f"inside {place}, where --out {out} is built"
+            raise ValueError(f"--raw {raw} is {where}; keep downloads in a folder outside it")
+
+
 def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, seed: int,
          local: dict[str, Path], limit: int | None = None, resize: int | None = None) -> str:
     """The dry-run report: every source (URL, size, licence, login, destination), every draw and the prompt sets. Touches no network."""
@@ -270,6 +281,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
     check_counts(args.limit, args.resize)
+    check_raw(raw, args.out)
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads

@@ -942,6 +942,150 @@ def test_bad_pcam_files_are_named(tmp_path, case, message):
     assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "pcam_x.h5").exists()
 
 
+# ------------------------------------------------------------------------------------------ runs sharing --raw: decompressing and extracting
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+
+def test_two_runs_decompressing_one_file_each_get_it_whole(tmp_path, monkeypatch):
+    "Two runs decompressing PCam at once (one --raw): the second starts while the first writes; the .h5 that appears is whole."
+    data = bytes(range(256)) * 3000
+    gz = tmp_path / "x.h5.gz"
+    gz.write_bytes(gzip.compress(data))
+    real_open, reached, done, got = gzip.open, {"a": threading.Event(), "b": threading.Event()}, threading.Event(), {}
+
+    class Paced:  # gzip.open's file, read 10,000 bytes at a time: 'a' waits at its 3rd read for 'b' to reach its 2nd
+        def __init__(self, *args): self.f, self.reads = real_open(*args), 0
+        def __enter__(self): return self
+        def __exit__(self, *exc): self.f.close()
+        def read(self, n=-1):
+            self.reads += 1
+            me = threading.current_thread().name
+            if (me, self.reads) in (("a", 3), ("b", 2)):
+                reached[me].set()
+                assert (reached["b"] if me == "a" else done).wait(10), f"{me} waited in vain"
+            return self.f.read(10_000)
+
+    def decompress(me):
+        try: got[me] = archives.gunzip_once(gz).read_bytes()
+        except BaseException as err: got[me] = err
+        finally:
+            if me == "a": done.set()
+            reached[me].set()
+
+    monkeypatch.setattr(gzip, "open", Paced)
+    a = threading.Thread(target=decompress, args=("a",), name="a")
+    a.start()
+    assert reached["a"].wait(10)
+    b = threading.Thread(target=decompress, args=("b",), name="b")
+    b.start()
+    a.join(); b.join()
+    assert got["a"] == data, f"the first run's .h5 is not the file: {got['a'] if isinstance(got['a'], Exception) else 'wrong bytes'}"
+    assert got["b"] == data and (tmp_path / "x.h5").read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.h5", "x.h5.gz"], "no temporary file is left"
+
+
+SLOW_RAR_TOOL = """
+import os, sys, tarfile, time
+from pathlib import Path
+src, dst, control = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+try: os.mkdir(control / "a"); me = "a"  # the first run of the tool pauses half way, a later one after one member
+except FileExistsError: me = "b"
+with open(control / "runs", "a") as f: f.write(me)
+with tarfile.open(src) as tar:
+    members = tar.getmembers()
+    for i, m in enumerate(members):
+        if i == (len(members) // 2 if me == "a" else 1):
+            (control / f"{me}_paused").touch()
+            deadline = time.time() + 20
+            while not (control / f"{me}_go").exists():
+                if time.time() > deadline: sys.exit(f"{me} was never let go")
+                time.sleep(0.01)
+        tar.extract(m, dst, filter="data")
+"""
+
+
+@pytest.fixture
+def slow_rar(tmp_path, monkeypatch):
+    "FIVES.rar (a tar) and the only RAR tool a stand-in that pauses in `control` (see SLOW_RAR_TOOL) until told to go on."
+    files = {f"F/train/Original/{i}_N.png": bytes([i]) for i in range(20)}
+    (tmp_path / "raw").mkdir()
+    rar = make_tgz(tmp_path / "raw" / "FIVES.rar", files)
+    control, tool = tmp_path / "control", tmp_path / "tool.py"
+    control.mkdir()
+    tool.write_text(SLOW_RAR_TOOL)
+    monkeypatch.setattr(archives, "RAR_TOOLS", ((sys.executable, lambda src, dst: [sys.executable, str(tool), src, dst, control]),))
+    return SimpleNamespace(rar=rar, files=sorted(files), control=control)
+
+
+def wait_for(condition, what):
+    "Poll `condition` for up to 20 seconds."
+    deadline = time.time() + 20
+    while not condition():
+        assert time.time() < deadline, f"never {what}"
+        time.sleep(0.01)
+
+
+def extracted(rar):
+    "The files of what extract_rar returns for `rar`, or the error it raised."
+    try: return [m for m in archives.DirContainer(archives.extract_rar(rar)).members() if m != ".complete"]
+    except BaseException as err: return err
+
+
+def test_two_runs_extracting_one_rar_do_not_spoil_each_other(slow_rar):
+    "A second run sharing --raw that comes while FIVES.rar is extracted stops at once, naming it; the first gets every file."
+    s, got = slow_rar, {}
+    runs = {me: threading.Thread(target=lambda me=me: got.update({me: extracted(s.rar)})) for me in "ab"}
+    runs["a"].start()
+    wait_for((s.control / "a_paused").exists, "paused half way")
+    runs["b"].start()
+    wait_for(lambda: not runs["b"].is_alive() or (s.control / "b_paused").exists(), "refused or extracting")
+    (s.control / "a_go").touch()
+    runs["a"].join()
+    (s.control / "b_go").touch()
+    runs["b"].join()
+    assert got["a"] == s.files, f"the first run's folder lacks {sorted(set(s.files) - set(got['a']))}"
+    assert isinstance(got["b"], BlockingIOError) and f"another run is extracting {s.rar}" in str(got["b"])
+    assert extracted(s.rar) == s.files and (s.control / "runs").read_text() == "a", "extracted once, then reused"
+    assert sorted(p.name for p in s.rar.parent.iterdir()) == ["FIVES.rar", "FIVES.rar.d"], "no lock or temporary folder left"
+
+
+def test_what_a_killed_extraction_left_is_cleared(slow_rar):
+    "A run killed while extracting (or an earlier version's unfinished FIVES.rar.d) leaves nothing the next run uses or keeps."
+    s = slow_rar
+    make_dir(s.rar.parent / "FIVES.rar.d", {"F/train/Original/99_N.png": b"from an unfinished extraction"})
+    code = (f"import sys; sys.path[:0] = [{str(DATA_SCRIPTS)!r}]; import archives; "
+            f"archives.RAR_TOOLS = (({sys.executable!r}, lambda src, dst: [{sys.executable!r}, {str(s.control.parent / 'tool.py')!r}, src, dst, {str(s.control)!r}]),); "
+            f"archives.extract_rar(archives.Path({str(s.rar)!r}))")
+    killed = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try: wait_for((s.control / "a_paused").exists, "paused half way")
+    finally: os.killpg(killed.pid, signal.SIGKILL); killed.wait()
+    (s.control / "b_go").touch()
+    assert extracted(s.rar) == s.files
+    assert sorted(p.name for p in s.rar.parent.iterdir()) == ["FIVES.rar", "FIVES.rar.d"]
+
+
+@pytest.mark.parametrize("raw,message", [("out", "--raw {out} is also --out"),
+                                         ("out/raw", "--raw {out}/raw is inside --out {out}"),
+                                         (".out.partial/raw", "--raw {tmp}/.out.partial/raw is inside {tmp}/.out.partial, where --out {out} is built")])
+def test_a_raw_inside_out_is_refused_before_any_download(tmp_path, monkeypatch, capsys, raw, message):
+    "Downloads kept in --out (or where a run builds it) would make --out a folder no run may replace, or be deleted with it."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before --raw was checked"))
+    for dry in ([], ["--dry-run"]):
+        assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / raw), *dry]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {message.format(out=tmp_path / 'out', tmp=tmp_path)}; keep downloads in a folder outside it\n"
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def test_an_out_inside_raw_is_accepted(tmp_path, capsys):
+    "The prepared folder may live in the download folder: a run replaces only --out and what it builds beside it."
+    assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "raw/out"), "--raw", str(tmp_path / "raw"), "--dry-run"]) == 0
+
+
 # ------------------------------------------------------------------------------------------ views and folders
 
 def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):

@@ -1,7 +1,7 @@
 """Downloads and their verification for the data scripts: the manifest, resumable checksum-verified HTTP downloads, Kaggle.
 
-Only the standard library is imported at module level; ``pooch``, ``requests`` and ``tqdm`` (the ``data`` extra) are
-imported where they are used.
+Only the standard library is imported at module level; ``requests`` and ``tqdm`` (the ``data`` extra) are imported
+where they are used.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -68,7 +69,7 @@ def load_manifest(path: Path | str | None = None, # a manifest.json; None: the o
 
 
 def known_hash(entry: dict) -> str | None:
-    """The strongest checksum the manifest knows for a source, in pooch's ``alg:hex`` form (None when unknown)."""
+    """The strongest checksum the manifest knows for a source, as ``alg:hex`` (None when unknown)."""
     if entry["sha256"]:
         return f"sha256:{entry['sha256']}"
     if entry["md5"]:
@@ -101,27 +102,36 @@ def file_hash(path: Path, alg: str) -> str:
     return digest.hexdigest()
 
 
-def verify(path: Path, # a local file
-           entry: dict, # its manifest entry
-           ) -> None:
-    """Raise ``ChecksumError`` unless the file has the manifest's size and checksum (checks only what is known)."""
+def mismatch(path: Path, # a local file
+             entry: dict, # its manifest entry
+             ) -> str | None:
+    """How the file differs from the manifest's size or checksum (checks only what is known); None when it agrees."""
     size = path.stat().st_size
     if entry["size_bytes"] is not None and size != entry["size_bytes"]:
-        raise ChecksumError(f"{path}: {size} bytes, but the manifest says {entry['size_bytes']}; "
-                            "delete it and run again to download it afresh")
+        return f"{size} bytes, the manifest says {entry['size_bytes']}"
     expected = known_hash(entry)
     if expected is not None:
         alg, hexdigest = expected.split(":")
         actual = file_hash(path, alg)
         if actual != hexdigest:
-            raise ChecksumError(f"{path}: {alg} is {actual}, but the manifest says {hexdigest}; "
-                                "the file is corrupt or a different version: delete it and run again")
+            return f"{alg} is {actual}, the manifest says {hexdigest}"
+    return None
+
+
+def verify(path: Path, # a local file
+           entry: dict, # its manifest entry
+           ) -> None:
+    """Raise ``ChecksumError`` unless the file has the manifest's size and checksum (checks only what is known)."""
+    problem = mismatch(path, entry)
+    if problem is not None:
+        raise ChecksumError(f"{path}: {problem}; the file is cut short, corrupt or a different version: "
+                            "delete it and run again to download it afresh")
 
 
 # ---------------------------------------------------------------------------------------------- download
 
 class ResumableDownloader:
-    """A pooch downloader that keeps the bytes received so far in ``<file>.part`` and resumes them with an HTTP Range request."""
+    """Receives a file into ``<file>.part``, keeping the bytes received so far there and resuming them with an HTTP Range request."""
 
     def __init__(self, part: Path, # where the bytes received so far are kept between runs
                  progressbar: bool = True, # show a tqdm bar
@@ -130,12 +140,11 @@ class ResumableDownloader:
                  ):
         self.part, self.progressbar, self.chunk_size, self.timeout = Path(part), progressbar, chunk_size, timeout
 
-    def __call__(self, url, output_file, pooch, check_only=False):
+    def __call__(self, url: str) -> None:
+        """Receive the rest of the file at ``url`` into the part file, which then holds all of it (not yet verified)."""
         import requests
         import urllib3
 
-        if check_only:
-            return requests.head(url, timeout=self.timeout, allow_redirects=True).status_code == 200
         done = self.part.stat().st_size if self.part.exists() else 0
         # the file's own bytes: requests would ask for gzip and decode it, so sizes and ranges would not be the file's
         headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={done}-"} if done else {})
@@ -150,7 +159,6 @@ class ResumableDownloader:
         if total is not None and size != total:
             raise DownloadError(f"download of {url} ended after {size} of {total} bytes; "
                                 "run the same command again to resume")
-        os.replace(self.part, output_file)
 
     def _receive(self, response, done: int) -> int | None:
         """Append (206) or rewrite (200) the part file from a response; return the expected total size."""
@@ -200,23 +208,27 @@ def download(entry: dict, # manifest entry of an http source
              progressbar: bool = True, # show a tqdm bar
              chunk_size: int = 1 << 20, # bytes per read
              ) -> Path:
-    """Download a source with pooch (resuming a partial file), check its checksum and size, and return its path."""
-    import pooch
-
+    """Return a source's verified file in ``raw``, downloading it first (resuming ``<file>.part``) when missing or not the manifest's."""
     raw = Path(raw)
     raw.mkdir(parents=True, exist_ok=True)
-    part = raw / f"{entry['filename']}.part"
-    downloader = ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)
-    try:
-        path = Path(pooch.retrieve(entry["url"], known_hash=known_hash(entry), fname=entry["filename"],
-                                   path=raw, downloader=downloader, progressbar=progressbar))
-    except ValueError as err:  # pooch's hash mismatch: it has already deleted the bad file
-        raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {err}") from err
-    size = path.stat().st_size
-    if entry["size_bytes"] is not None and size != entry["size_bytes"]:
-        path.unlink()
-        raise ChecksumError(f"{entry['filename']} has {size} bytes, the manifest says {entry['size_bytes']}; "
-                            "it was deleted, run again to download it afresh")
+    path, part = raw / entry["filename"], raw / f"{entry['filename']}.part"
+    if path.exists():
+        problem = mismatch(path, entry)
+        if problem is None:
+            return path
+        print(f"Updating {path} ({problem}) from {entry['url']}", file=sys.stderr)
+    else:
+        print(f"Downloading {entry['url']} to {path}", file=sys.stderr)
+    ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)(entry["url"])
+    problem = mismatch(part, entry)  # the part file itself is checked: an interruption now leaves it to resume from
+    if problem is not None:
+        part.unlink()
+        raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {problem}; "
+                            "run again to download it afresh")
+    if known_hash(entry) is None:
+        print(f"SHA-256 of {path.name}: {file_hash(part, 'sha256')} (the manifest publishes no checksum; "
+              "put this one there to pin the file)", file=sys.stderr)
+    os.replace(part, path)
     return path
 
 

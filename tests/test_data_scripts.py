@@ -462,7 +462,7 @@ def test_a_corrupted_download_is_rejected_and_deleted(tmp_path):
     data = bytes(range(256)) * 40
     corrupted = data[:100] + b"X" + data[101:]
     with FileServer({"/a.zip": corrupted}) as server:
-        with pytest.raises(fetching.ChecksumError, match=r"failed its checksum and was deleted.*MD5"):
+        with pytest.raises(fetching.ChecksumError, match=r"failed its checksum and was deleted: md5 is"):
             fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert not (tmp_path / "fixture.zip").exists() and not (tmp_path / "fixture.zip.part").exists()
 
@@ -523,6 +523,32 @@ def test_a_local_copy_is_checked_against_the_manifest(tmp_path):
         fetching.fetch("fixture", dict(entry, size_bytes=None), tmp_path / "raw", local=tmp_path / "fixture.zip")
     with pytest.raises(FileNotFoundError, match="no such file"):
         fetching.fetch("fixture", entry, tmp_path, local=tmp_path / "missing.zip")
+
+
+# ------------------------------------------------------------------------------------------ downloads: interruptions, concurrent runs, wrong answers
+
+def test_an_interruption_while_the_download_is_checked_keeps_every_byte(tmp_path, monkeypatch):
+    "Ctrl-C while the finished download was checked lost it all: pooch deleted the temporary file it had been renamed to."
+    import builtins
+    data = bytes(range(256)) * 40
+    real_open = builtins.open
+
+    def interrupted(file, mode="r", *args, **kwargs):  # Ctrl-C as the checksum starts reading the received file
+        if mode == "rb" and Path(file).parent == tmp_path:
+            raise KeyboardInterrupt
+        return real_open(file, mode, *args, **kwargs)
+
+    with FileServer({"/a.zip": data}) as server:
+        entry = http_entry(server.url + "/a.zip", data)
+        with monkeypatch.context() as m:
+            m.setattr(builtins, "open", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                fetching.download(entry, tmp_path, progressbar=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["fixture.zip.part"], "nothing lost, nothing orphaned"
+        assert (tmp_path / "fixture.zip.part").read_bytes() == data
+        path = fetching.download(entry, tmp_path, progressbar=False)
+    assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["fixture.zip"]
+    assert server.requests == [("/a.zip", None), ("/a.zip", f"bytes={len(data)}-")], "the rerun downloads nothing again"
 
 
 # ------------------------------------------------------------------------------------------ dry run

@@ -5,6 +5,7 @@ where they are used.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -203,6 +204,23 @@ def _content_range_total(value: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@contextlib.contextmanager
+def downloading(path: Path): # a file in the downloads folder
+    """Hold ``<file>.lock`` while this run downloads and checks ``path``; refuse at once, naming the other run, while another holds it."""
+    from proton.deploy import hold_lock
+
+    lock = path.with_name(f"{path.name}.lock")
+    with contextlib.ExitStack() as held:
+        try: held.enter_context(hold_lock(lock, remove=True))
+        except BlockingIOError:
+            try: pid = lock.read_text().strip()
+            except OSError: pid = ""  # its run has just ended
+            raise BlockingIOError(f"another run{f' (process {pid})' if pid else ''} is downloading {path.name} into "
+                                  f"{path.parent}; let it finish, then run this again") from None
+        lock.write_text(f"{os.getpid()}\n")
+        yield
+
+
 def download(entry: dict, # manifest entry of an http source
              raw: Path, # folder for downloads
              progressbar: bool = True, # show a tqdm bar
@@ -212,23 +230,24 @@ def download(entry: dict, # manifest entry of an http source
     raw = Path(raw)
     raw.mkdir(parents=True, exist_ok=True)
     path, part = raw / entry["filename"], raw / f"{entry['filename']}.part"
-    if path.exists():
-        problem = mismatch(path, entry)
-        if problem is None:
-            return path
-        print(f"Updating {path} ({problem}) from {entry['url']}", file=sys.stderr)
-    else:
-        print(f"Downloading {entry['url']} to {path}", file=sys.stderr)
-    ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)(entry["url"])
-    problem = mismatch(part, entry)  # the part file itself is checked: an interruption now leaves it to resume from
-    if problem is not None:
-        part.unlink()
-        raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {problem}; "
-                            "run again to download it afresh")
-    if known_hash(entry) is None:
-        print(f"SHA-256 of {path.name}: {file_hash(part, 'sha256')} (the manifest publishes no checksum; "
-              "put this one there to pin the file)", file=sys.stderr)
-    os.replace(part, path)
+    with downloading(path):  # one run at a time writes the part file, so a verified file never changes afterwards
+        if path.exists():
+            problem = mismatch(path, entry)
+            if problem is None:
+                return path
+            print(f"Updating {path} ({problem}) from {entry['url']}", file=sys.stderr)
+        else:
+            print(f"Downloading {entry['url']} to {path}", file=sys.stderr)
+        ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)(entry["url"])
+        problem = mismatch(part, entry)  # the part file itself is checked: an interruption now leaves it to resume from
+        if problem is not None:
+            part.unlink()
+            raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {problem}; "
+                                "run again to download it afresh")
+        if known_hash(entry) is None:
+            print(f"SHA-256 of {path.name}: {file_hash(part, 'sha256')} (the manifest publishes no checksum; "
+                  "put this one there to pin the file)", file=sys.stderr)
+        os.replace(part, path)
     return path
 
 
@@ -276,15 +295,16 @@ def kaggle_instructions(key: str, entry: dict, raw: Path) -> str:
 def fetch_kaggle(key: str, entry: dict, raw: Path) -> Path:
     """Return a Kaggle source's archive, downloading it with the kaggle client when credentials exist."""
     path = Path(raw) / entry["filename"]
-    if path.exists():
-        return path
-    if shutil.which("kaggle") is None or not kaggle_credentials_present():
-        raise LoginRequired(kaggle_instructions(key, entry, raw))
-    Path(raw).mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(kaggle_command(entry, raw))
-    if result.returncode != 0 or not path.exists():
-        raise LoginRequired(f"`{' '.join(kaggle_command(entry, raw))}` failed (exit code {result.returncode}).\n"
-                            + kaggle_instructions(key, entry, raw))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with downloading(path):  # the kaggle client writes the file under its own name: half-written while another run downloads
+        if path.exists():
+            return path
+        if shutil.which("kaggle") is None or not kaggle_credentials_present():
+            raise LoginRequired(kaggle_instructions(key, entry, raw))
+        result = subprocess.run(kaggle_command(entry, raw))
+        if result.returncode != 0 or not path.exists():
+            raise LoginRequired(f"`{' '.join(kaggle_command(entry, raw))}` failed (exit code {result.returncode}).\n"
+                                + kaggle_instructions(key, entry, raw))
     return path
 
 

@@ -551,6 +551,76 @@ def test_an_interruption_while_the_download_is_checked_keeps_every_byte(tmp_path
     assert server.requests == [("/a.zip", None), ("/a.zip", f"bytes={len(data)}-")], "the rerun downloads nothing again"
 
 
+class ScriptedServer(FileServer):
+    """A FileServer whose every GET is answered by ``answer(handler, n)``, n counting the requests from 0."""
+
+    def __init__(self, answer):
+        self.requests, owner = [], self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                owner.requests.append((self.path, self.headers.get("Range")))
+                answer(self, len(owner.requests) - 1)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def send(handler, status, body=b"", **headers):
+    """Answer with a status, headers (underscores for dashes) and a body."""
+    handler.send_response(status)
+    for name, value in ({"Content_Length": str(len(body))} | headers).items():
+        handler.send_header(name.replace("_", "-"), value)
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@pytest.mark.parametrize("checksum", ["md5", "size only"])
+def test_a_second_run_downloading_the_same_file_is_refused_and_the_first_is_kept_whole(tmp_path, checksum):
+    "Two runs sharing --raw wrote one <file>.part at once: the second failed on a vanished file, the first's verified file grew, a size-only file kept a hole."
+    data = bytes(np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8))
+    halfway, release, result = threading.Event(), threading.Event(), []
+
+    def answer(handler, n):  # the server ignores Range; its first answer stops half-way until released
+        if n:
+            return send(handler, 200, data)
+        send(handler, 200, data[:100_000], Content_Length=str(len(data)))
+        handler.wfile.flush()
+        halfway.set()
+        release.wait(10)
+        handler.wfile.write(data[100_000:])
+
+    with ScriptedServer(answer) as server:
+        entry = http_entry(server.url + "/a.zip", data, **({"md5": None} if checksum == "size only" else {}))
+        first = threading.Thread(target=lambda: result.append(fetching.download(entry, tmp_path, progressbar=False, chunk_size=4096)))
+        first.start()
+        try:
+            assert halfway.wait(10)
+            with pytest.raises(BlockingIOError, match=r"^another run \(process \d+\) is downloading fixture\.zip into "
+                                                      f"{re.escape(str(tmp_path))}; let it finish, then run this again$"):
+                fetching.download(entry, tmp_path, progressbar=False)
+        finally:
+            release.set()
+            first.join(10)
+        assert result == [tmp_path / "fixture.zip"] and result[0].read_bytes() == data
+        assert fetching.download(entry, tmp_path, progressbar=False).read_bytes() == data, "a later run finds it whole"
+    assert len(server.requests) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["fixture.zip"]
+
+
+def test_a_kaggle_file_another_run_is_downloading_is_not_taken(tmp_path):
+    "The kaggle client writes the archive under its own name: a second run took the half-written file as finished."
+    entry = dict(fetching.load_manifest()["sources"]["chest_ct"])
+    (tmp_path / entry["filename"]).write_bytes(b"PK half")
+    with hold_lock(tmp_path / f"{entry['filename']}.lock"):
+        with pytest.raises(BlockingIOError, match=f"^another run is downloading {re.escape(entry['filename'])} into "):
+            fetching.fetch_kaggle("chest_ct", entry, tmp_path)
+    assert fetching.fetch_kaggle("chest_ct", entry, tmp_path) == tmp_path / entry["filename"]
+
+
 # ------------------------------------------------------------------------------------------ dry run
 
 @pytest.mark.parametrize("script", ["ophthalmology", "radiology", "pathology", "prepare_all"])

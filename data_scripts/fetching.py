@@ -141,17 +141,18 @@ class ResumableDownloader:
                  ):
         self.part, self.progressbar, self.chunk_size, self.timeout = Path(part), progressbar, chunk_size, timeout
 
-    def __call__(self, url: str) -> None:
-        """Receive the rest of the file at ``url`` into the part file, which then holds all of it (not yet verified)."""
+    def __call__(self, entry: dict) -> None: # manifest entry of an http source
+        """Receive the rest of the source's file into the part file, which then holds all of it (not yet verified)."""
         import requests
         import urllib3
 
+        url = entry["url"]
         done = self.part.stat().st_size if self.part.exists() else 0
         # the file's own bytes: requests would ask for gzip and decode it, so sizes and ranges would not be the file's
         headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={done}-"} if done else {})
         try:
             with requests.get(url, headers=headers, stream=True, timeout=self.timeout) as response:
-                total = self._receive(response, done)
+                total = self._receive(response, done, entry)
         except (requests.RequestException, urllib3.exceptions.HTTPError) as err:  # the raw stream raises urllib3's own
             have = self.part.stat().st_size if self.part.exists() else 0
             raise DownloadError(f"download of {url} stopped after {have} bytes ({err}); "
@@ -161,7 +162,7 @@ class ResumableDownloader:
             raise DownloadError(f"download of {url} ended after {size} of {total} bytes; "
                                 "run the same command again to resume")
 
-    def _receive(self, response, done: int) -> int | None:
+    def _receive(self, response, done: int, entry: dict) -> int | None:
         """Append (206) or rewrite (200) the part file from a response; return the expected total size."""
         if response.status_code == 416:  # nothing after `done`: the part file already holds everything
             total = _content_range_total(response.headers.get("Content-Range", ""))
@@ -179,10 +180,17 @@ class ResumableDownloader:
             if start != done:
                 raise DownloadError(f"server resumed at byte {start}, expected {done}; delete {self.part}")
             total, mode = _content_range_total(response.headers["Content-Range"]), "ab"
-        else:  # 200: the server ignored the Range header, so start over
-            done, mode = 0, "wb"
+        else:  # 200: the whole file (the server ignored the Range header), or something else in its place
             length = response.headers.get("Content-Length")
             total = int(length) if length is not None else None
+            what = f"{entry['filename']} from {entry['url']}"
+            if response.headers.get("Content-Type", "").lower().startswith("text/html"):
+                raise DownloadError(f"{what} answered an HTML page, not the file (a sign-in page? it came from "
+                                    f"{response.url}); nothing was written: sign in or change network, then run again")
+            if total is not None and entry["size_bytes"] is not None and total != entry["size_bytes"]:
+                raise ChecksumError(f"{what}: the server sends {total} bytes, the manifest says {entry['size_bytes']}: not "
+                                    f"that file (a page in its place, or a new version: see {entry['page']}); nothing was written")
+            done, mode = 0, "wb"  # only now is the part file known to be outdated: start over
         from tqdm.auto import tqdm
 
         with open(self.part, mode) as f, tqdm(total=total, initial=done, unit="B", unit_scale=True,
@@ -238,7 +246,7 @@ def download(entry: dict, # manifest entry of an http source
             print(f"Updating {path} ({problem}) from {entry['url']}", file=sys.stderr)
         else:
             print(f"Downloading {entry['url']} to {path}", file=sys.stderr)
-        ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)(entry["url"])
+        ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)(entry)
         problem = mismatch(part, entry)  # the part file itself is checked: an interruption now leaves it to resume from
         if problem is not None:
             part.unlink()

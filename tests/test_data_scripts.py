@@ -621,6 +621,23 @@ def test_a_kaggle_file_another_run_is_downloading_is_not_taken(tmp_path):
     assert fetching.fetch_kaggle("chest_ct", entry, tmp_path) == tmp_path / entry["filename"]
 
 
+PAGE = b"<html><body><form>Please log in</form></body></html>"
+
+
+@pytest.mark.parametrize("headers,error,message", [
+    ({"Content_Type": "text/html; charset=utf-8"}, fetching.DownloadError, "answered an HTML page, not the file"),
+    ({"Content_Type": "application/octet-stream"}, fetching.ChecksumError, f"sends {len(PAGE)} bytes, the manifest says 200000")])
+def test_a_page_in_place_of_the_file_keeps_the_partial_download(tmp_path, headers, error, message):
+    "A login or captive-portal page (200) answering the resume request overwrote the partial download, which the checksum then deleted."
+    data = bytes(np.random.default_rng(2).integers(0, 256, 200_000, dtype=np.uint8))
+    (tmp_path / "fixture.zip.part").write_bytes(data[:100_000])
+    with ScriptedServer(lambda handler, n: send(handler, 200, PAGE, **headers)) as server:
+        with pytest.raises(error, match=f"^fixture\\.zip from {re.escape(server.url)}/a\\.zip.* {message}[^\n]*$"):
+            fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+    assert server.requests == [("/a.zip", "bytes=100000-")]
+    assert (tmp_path / "fixture.zip.part").read_bytes() == data[:100_000], "the bytes received so far are kept"
+
+
 # ------------------------------------------------------------------------------------------ dry run
 
 @pytest.mark.parametrize("script", ["ophthalmology", "radiology", "pathology", "prepare_all"])

@@ -25,7 +25,7 @@ class ChecksumError(ValueError):
 
 
 class DownloadError(OSError):
-    """A download stopped before the end; running the same command again resumes it."""
+    """A download failed before the file was complete; the message says what to do (often: run the same command again to resume it)."""
 
 
 class LoginRequired(RuntimeError):
@@ -146,20 +146,30 @@ class ResumableDownloader:
         import requests
         import urllib3
 
-        url = entry["url"]
+        url, page = entry["url"], entry["page"]
+        what = f"{entry['filename']} from {url}"
         done = self.part.stat().st_size if self.part.exists() else 0
         # the file's own bytes: requests would ask for gzip and decode it, so sizes and ranges would not be the file's
         headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={done}-"} if done else {})
         try:
             with requests.get(url, headers=headers, stream=True, timeout=self.timeout) as response:
                 total = self._receive(response, done, entry)
+        except requests.TooManyRedirects as err:
+            raise DownloadError(f"{what}: the server redirects in a loop ({err}); the link may be out of date: "
+                                f"find the file on {page} and put its link in the manifest's url") from err
+        except requests.HTTPError as err:  # an answer, but not the file: running again as it is would not help
+            status = err.response.status_code
+            advice = (f"the file is not there, it may have moved: find it on {page} and put its link in the manifest's url"
+                      if status in (404, 410) else "the server failed: try again later" if status >= 500 else
+                      "the server is busy: try again later" if status == 429 else f"the server refused it: see {page}")
+            raise DownloadError(f"{what}: HTTP {status} {err.response.reason}; {advice}") from err
         except (requests.RequestException, urllib3.exceptions.HTTPError) as err:  # the raw stream raises urllib3's own
             have = self.part.stat().st_size if self.part.exists() else 0
-            raise DownloadError(f"download of {url} stopped after {have} bytes ({err}); "
+            raise DownloadError(f"download of {what} stopped after {have} bytes ({err}); "
                                 "run the same command again to resume") from err
         size = self.part.stat().st_size
         if total is not None and size != total:
-            raise DownloadError(f"download of {url} ended after {size} of {total} bytes; "
+            raise DownloadError(f"download of {what} ended after {size} of {total} bytes; "
                                 "run the same command again to resume")
 
     def _receive(self, response, done: int, entry: dict) -> int | None:

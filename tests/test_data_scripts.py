@@ -638,6 +638,23 @@ def test_a_page_in_place_of_the_file_keeps_the_partial_download(tmp_path, header
     assert (tmp_path / "fixture.zip.part").read_bytes() == data[:100_000], "the bytes received so far are kept"
 
 
+@pytest.mark.parametrize("status,advice", [
+    (404, "HTTP 404 Not Found; the file is not there, it may have moved: find it on https://example.org/page "
+          "and put its link in the manifest's url"),
+    (500, "HTTP 500 Internal Server Error; the server failed: try again later"),
+    (302, "the server redirects in a loop .*; the link may be out of date: find the file on https://example.org/page "
+          "and put its link in the manifest's url")])
+def test_a_download_the_server_refuses_is_named_with_advice_that_fits(tmp_path, status, advice):
+    "404, 500 and a redirect loop all said 'run the same command again to resume', naming only the URL."
+    data = b"abcdefgh" * 1000
+    (tmp_path / "fixture.zip.part").write_bytes(data[:100])
+    with ScriptedServer(lambda handler, n: send(handler, status, Location=handler.path)) as server:
+        url = server.url + "/a.zip"
+        with pytest.raises(fetching.DownloadError, match=f"^fixture\\.zip from {re.escape(url)}: {advice}$") as caught:
+            fetching.download(http_entry(url, data, page="https://example.org/page"), tmp_path, progressbar=False)
+    assert "resume" not in str(caught.value) and (tmp_path / "fixture.zip.part").read_bytes() == data[:100]
+
+
 # ------------------------------------------------------------------------------------------ dry run
 
 @pytest.mark.parametrize("script", ["ophthalmology", "radiology", "pathology", "prepare_all"])

@@ -1,16 +1,18 @@
 """Downloads and their verification for the data scripts: the manifest, resumable checksum-verified HTTP downloads, Kaggle.
 
-Only the standard library is imported at module level; ``pooch``, ``requests`` and ``tqdm`` (the ``data`` extra) are
-imported where they are used.
+Only the standard library is imported at module level; ``requests`` and ``tqdm`` (the ``data`` extra) are imported
+where they are used.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -23,7 +25,7 @@ class ChecksumError(ValueError):
 
 
 class DownloadError(OSError):
-    """A download stopped before the end; running the same command again resumes it."""
+    """A download failed before the file was complete; the message says what to do (often: run the same command again to resume it)."""
 
 
 class LoginRequired(RuntimeError):
@@ -68,7 +70,7 @@ def load_manifest(path: Path | str | None = None, # a manifest.json; None: the o
 
 
 def known_hash(entry: dict) -> str | None:
-    """The strongest checksum the manifest knows for a source, in pooch's ``alg:hex`` form (None when unknown)."""
+    """The strongest checksum the manifest knows for a source, as ``alg:hex`` (None when unknown)."""
     if entry["sha256"]:
         return f"sha256:{entry['sha256']}"
     if entry["md5"]:
@@ -101,27 +103,36 @@ def file_hash(path: Path, alg: str) -> str:
     return digest.hexdigest()
 
 
-def verify(path: Path, # a local file
-           entry: dict, # its manifest entry
-           ) -> None:
-    """Raise ``ChecksumError`` unless the file has the manifest's size and checksum (checks only what is known)."""
+def mismatch(path: Path, # a local file
+             entry: dict, # its manifest entry
+             ) -> str | None:
+    """How the file differs from the manifest's size or checksum (checks only what is known); None when it agrees."""
     size = path.stat().st_size
     if entry["size_bytes"] is not None and size != entry["size_bytes"]:
-        raise ChecksumError(f"{path}: {size} bytes, but the manifest says {entry['size_bytes']}; "
-                            "delete it and run again to download it afresh")
+        return f"{size} bytes, the manifest says {entry['size_bytes']}"
     expected = known_hash(entry)
     if expected is not None:
         alg, hexdigest = expected.split(":")
         actual = file_hash(path, alg)
         if actual != hexdigest:
-            raise ChecksumError(f"{path}: {alg} is {actual}, but the manifest says {hexdigest}; "
-                                "the file is corrupt or a different version: delete it and run again")
+            return f"{alg} is {actual}, the manifest says {hexdigest}"
+    return None
+
+
+def verify(path: Path, # a local file
+           entry: dict, # its manifest entry
+           ) -> None:
+    """Raise ``ChecksumError`` unless the file has the manifest's size and checksum (checks only what is known)."""
+    problem = mismatch(path, entry)
+    if problem is not None:
+        raise ChecksumError(f"{path}: {problem}; the file is cut short, corrupt or a different version: "
+                            "delete it and run again to download it afresh")
 
 
 # ---------------------------------------------------------------------------------------------- download
 
 class ResumableDownloader:
-    """A pooch downloader that keeps the bytes received so far in ``<file>.part`` and resumes them with an HTTP Range request."""
+    """Receives a file into ``<file>.part``, keeping the bytes received so far there and resuming them with an HTTP Range request."""
 
     def __init__(self, part: Path, # where the bytes received so far are kept between runs
                  progressbar: bool = True, # show a tqdm bar
@@ -130,29 +141,38 @@ class ResumableDownloader:
                  ):
         self.part, self.progressbar, self.chunk_size, self.timeout = Path(part), progressbar, chunk_size, timeout
 
-    def __call__(self, url, output_file, pooch, check_only=False):
+    def __call__(self, entry: dict) -> None: # manifest entry of an http source
+        """Receive the rest of the source's file into the part file, which then holds all of it (not yet verified)."""
         import requests
         import urllib3
 
-        if check_only:
-            return requests.head(url, timeout=self.timeout, allow_redirects=True).status_code == 200
+        url, page = entry["url"], entry["page"]
+        what = f"{entry['filename']} from {url}"
         done = self.part.stat().st_size if self.part.exists() else 0
         # the file's own bytes: requests would ask for gzip and decode it, so sizes and ranges would not be the file's
         headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={done}-"} if done else {})
         try:
             with requests.get(url, headers=headers, stream=True, timeout=self.timeout) as response:
-                total = self._receive(response, done)
+                total = self._receive(response, done, entry)
+        except requests.TooManyRedirects as err:
+            raise DownloadError(f"{what}: the server redirects in a loop ({err}); the link may be out of date: "
+                                f"find the file on {page} and put its link in the manifest's url") from err
+        except requests.HTTPError as err:  # an answer, but not the file: running again as it is would not help
+            status = err.response.status_code
+            advice = (f"the file is not there, it may have moved: find it on {page} and put its link in the manifest's url"
+                      if status in (404, 410) else "the server failed: try again later" if status >= 500 else
+                      "the server is busy: try again later" if status == 429 else f"the server refused it: see {page}")
+            raise DownloadError(f"{what}: HTTP {status} {err.response.reason}; {advice}") from err
         except (requests.RequestException, urllib3.exceptions.HTTPError) as err:  # the raw stream raises urllib3's own
             have = self.part.stat().st_size if self.part.exists() else 0
-            raise DownloadError(f"download of {url} stopped after {have} bytes ({err}); "
+            raise DownloadError(f"download of {what} stopped after {have} bytes ({err}); "
                                 "run the same command again to resume") from err
         size = self.part.stat().st_size
         if total is not None and size != total:
-            raise DownloadError(f"download of {url} ended after {size} of {total} bytes; "
+            raise DownloadError(f"download of {what} ended after {size} of {total} bytes; "
                                 "run the same command again to resume")
-        os.replace(self.part, output_file)
 
-    def _receive(self, response, done: int) -> int | None:
+    def _receive(self, response, done: int, entry: dict) -> int | None:
         """Append (206) or rewrite (200) the part file from a response; return the expected total size."""
         if response.status_code == 416:  # nothing after `done`: the part file already holds everything
             total = _content_range_total(response.headers.get("Content-Range", ""))
@@ -170,10 +190,17 @@ class ResumableDownloader:
             if start != done:
                 raise DownloadError(f"server resumed at byte {start}, expected {done}; delete {self.part}")
             total, mode = _content_range_total(response.headers["Content-Range"]), "ab"
-        else:  # 200: the server ignored the Range header, so start over
-            done, mode = 0, "wb"
+        else:  # 200: the whole file (the server ignored the Range header), or something else in its place
             length = response.headers.get("Content-Length")
             total = int(length) if length is not None else None
+            what = f"{entry['filename']} from {entry['url']}"
+            if response.headers.get("Content-Type", "").lower().startswith("text/html"):
+                raise DownloadError(f"{what} answered an HTML page, not the file (a sign-in page? it came from "
+                                    f"{response.url}); nothing was written: sign in or change network, then run again")
+            if total is not None and entry["size_bytes"] is not None and total != entry["size_bytes"]:
+                raise ChecksumError(f"{what}: the server sends {total} bytes, the manifest says {entry['size_bytes']}: not "
+                                    f"that file (a page in its place, or a new version: see {entry['page']}); nothing was written")
+            done, mode = 0, "wb"  # only now is the part file known to be outdated: start over
         from tqdm.auto import tqdm
 
         with open(self.part, mode) as f, tqdm(total=total, initial=done, unit="B", unit_scale=True,
@@ -195,28 +222,50 @@ def _content_range_total(value: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@contextlib.contextmanager
+def downloading(path: Path): # a file in the downloads folder
+    """Hold ``<file>.lock`` while this run downloads and checks ``path``; refuse at once, naming the other run, while another holds it."""
+    from proton.deploy import hold_lock
+
+    lock = path.with_name(f"{path.name}.lock")
+    with contextlib.ExitStack() as held:
+        try: held.enter_context(hold_lock(lock, remove=True))
+        except BlockingIOError:
+            try: pid = lock.read_text().strip()
+            except OSError: pid = ""  # its run has just ended
+            raise BlockingIOError(f"another run{f' (process {pid})' if pid else ''} is downloading {path.name} into "
+                                  f"{path.parent}; let it finish, then run this again") from None
+        lock.write_text(f"{os.getpid()}\n")
+        yield
+
+
 def download(entry: dict, # manifest entry of an http source
              raw: Path, # folder for downloads
              progressbar: bool = True, # show a tqdm bar
              chunk_size: int = 1 << 20, # bytes per read
              ) -> Path:
-    """Download a source with pooch (resuming a partial file), check its checksum and size, and return its path."""
-    import pooch
-
+    """Return a source's verified file in ``raw``, downloading it first (resuming ``<file>.part``) when missing or not the manifest's."""
     raw = Path(raw)
     raw.mkdir(parents=True, exist_ok=True)
-    part = raw / f"{entry['filename']}.part"
-    downloader = ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)
-    try:
-        path = Path(pooch.retrieve(entry["url"], known_hash=known_hash(entry), fname=entry["filename"],
-                                   path=raw, downloader=downloader, progressbar=progressbar))
-    except ValueError as err:  # pooch's hash mismatch: it has already deleted the bad file
-        raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {err}") from err
-    size = path.stat().st_size
-    if entry["size_bytes"] is not None and size != entry["size_bytes"]:
-        path.unlink()
-        raise ChecksumError(f"{entry['filename']} has {size} bytes, the manifest says {entry['size_bytes']}; "
-                            "it was deleted, run again to download it afresh")
+    path, part = raw / entry["filename"], raw / f"{entry['filename']}.part"
+    with downloading(path):  # one run at a time writes the part file, so a verified file never changes afterwards
+        if path.exists():
+            problem = mismatch(path, entry)
+            if problem is None:
+                return path
+            print(f"Updating {path} ({problem}) from {entry['url']}", file=sys.stderr)
+        else:
+            print(f"Downloading {entry['url']} to {path}", file=sys.stderr)
+        ResumableDownloader(part, progressbar=progressbar, chunk_size=chunk_size)(entry)
+        problem = mismatch(part, entry)  # the part file itself is checked: an interruption now leaves it to resume from
+        if problem is not None:
+            part.unlink()
+            raise ChecksumError(f"{entry['filename']} from {entry['url']} failed its checksum and was deleted: {problem}; "
+                                "run again to download it afresh")
+        if known_hash(entry) is None:
+            print(f"SHA-256 of {path.name}: {file_hash(part, 'sha256')} (the manifest publishes no checksum; "
+                  "put this one there to pin the file)", file=sys.stderr)
+        os.replace(part, path)
     return path
 
 
@@ -264,15 +313,16 @@ def kaggle_instructions(key: str, entry: dict, raw: Path) -> str:
 def fetch_kaggle(key: str, entry: dict, raw: Path) -> Path:
     """Return a Kaggle source's archive, downloading it with the kaggle client when credentials exist."""
     path = Path(raw) / entry["filename"]
-    if path.exists():
-        return path
-    if shutil.which("kaggle") is None or not kaggle_credentials_present():
-        raise LoginRequired(kaggle_instructions(key, entry, raw))
-    Path(raw).mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(kaggle_command(entry, raw))
-    if result.returncode != 0 or not path.exists():
-        raise LoginRequired(f"`{' '.join(kaggle_command(entry, raw))}` failed (exit code {result.returncode}).\n"
-                            + kaggle_instructions(key, entry, raw))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with downloading(path):  # the kaggle client writes the file under its own name: half-written while another run downloads
+        if path.exists():
+            return path
+        if shutil.which("kaggle") is None or not kaggle_credentials_present():
+            raise LoginRequired(kaggle_instructions(key, entry, raw))
+        result = subprocess.run(kaggle_command(entry, raw))
+        if result.returncode != 0 or not path.exists():
+            raise LoginRequired(f"`{' '.join(kaggle_command(entry, raw))}` failed (exit code {result.returncode}).\n"
+                                + kaggle_instructions(key, entry, raw))
     return path
 
 

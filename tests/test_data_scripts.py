@@ -462,7 +462,7 @@ def test_a_corrupted_download_is_rejected_and_deleted(tmp_path):
     data = bytes(range(256)) * 40
     corrupted = data[:100] + b"X" + data[101:]
     with FileServer({"/a.zip": corrupted}) as server:
-        with pytest.raises(fetching.ChecksumError, match=r"failed its checksum and was deleted.*MD5"):
+        with pytest.raises(fetching.ChecksumError, match=r"failed its checksum and was deleted: md5 is"):
             fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
     assert not (tmp_path / "fixture.zip").exists() and not (tmp_path / "fixture.zip.part").exists()
 
@@ -523,6 +523,136 @@ def test_a_local_copy_is_checked_against_the_manifest(tmp_path):
         fetching.fetch("fixture", dict(entry, size_bytes=None), tmp_path / "raw", local=tmp_path / "fixture.zip")
     with pytest.raises(FileNotFoundError, match="no such file"):
         fetching.fetch("fixture", entry, tmp_path, local=tmp_path / "missing.zip")
+
+
+# ------------------------------------------------------------------------------------------ downloads: interruptions, concurrent runs, wrong answers
+
+def test_an_interruption_while_the_download_is_checked_keeps_every_byte(tmp_path, monkeypatch):
+    "Ctrl-C while the finished download was checked lost it all: pooch deleted the temporary file it had been renamed to."
+    import builtins
+    data = bytes(range(256)) * 40
+    real_open = builtins.open
+
+    def interrupted(file, mode="r", *args, **kwargs):  # Ctrl-C as the checksum starts reading the received file
+        if mode == "rb" and Path(file).parent == tmp_path:
+            raise KeyboardInterrupt
+        return real_open(file, mode, *args, **kwargs)
+
+    with FileServer({"/a.zip": data}) as server:
+        entry = http_entry(server.url + "/a.zip", data)
+        with monkeypatch.context() as m:
+            m.setattr(builtins, "open", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                fetching.download(entry, tmp_path, progressbar=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["fixture.zip.part"], "nothing lost, nothing orphaned"
+        assert (tmp_path / "fixture.zip.part").read_bytes() == data
+        path = fetching.download(entry, tmp_path, progressbar=False)
+    assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["fixture.zip"]
+    assert server.requests == [("/a.zip", None), ("/a.zip", f"bytes={len(data)}-")], "the rerun downloads nothing again"
+
+
+class ScriptedServer(FileServer):
+    """A FileServer whose every GET is answered by ``answer(handler, n)``, n counting the requests from 0."""
+
+    def __init__(self, answer):
+        self.requests, owner = [], self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                owner.requests.append((self.path, self.headers.get("Range")))
+                answer(self, len(owner.requests) - 1)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def send(handler, status, body=b"", **headers):
+    """Answer with a status, headers (underscores for dashes) and a body."""
+    handler.send_response(status)
+    for name, value in ({"Content_Length": str(len(body))} | headers).items():
+        handler.send_header(name.replace("_", "-"), value)
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@pytest.mark.parametrize("checksum", ["md5", "size only"])
+def test_a_second_run_downloading_the_same_file_is_refused_and_the_first_is_kept_whole(tmp_path, checksum):
+    "Two runs sharing --raw wrote one <file>.part at once: the second failed on a vanished file, the first's verified file grew, a size-only file kept a hole."
+    data = bytes(np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8))
+    halfway, release, result = threading.Event(), threading.Event(), []
+
+    def answer(handler, n):  # the server ignores Range; its first answer stops half-way until released
+        if n:
+            return send(handler, 200, data)
+        send(handler, 200, data[:100_000], Content_Length=str(len(data)))
+        handler.wfile.flush()
+        halfway.set()
+        release.wait(10)
+        handler.wfile.write(data[100_000:])
+
+    with ScriptedServer(answer) as server:
+        entry = http_entry(server.url + "/a.zip", data, **({"md5": None} if checksum == "size only" else {}))
+        first = threading.Thread(target=lambda: result.append(fetching.download(entry, tmp_path, progressbar=False, chunk_size=4096)))
+        first.start()
+        try:
+            assert halfway.wait(10)
+            with pytest.raises(BlockingIOError, match=r"^another run \(process \d+\) is downloading fixture\.zip into "
+                                                      f"{re.escape(str(tmp_path))}; let it finish, then run this again$"):
+                fetching.download(entry, tmp_path, progressbar=False)
+        finally:
+            release.set()
+            first.join(10)
+        assert result == [tmp_path / "fixture.zip"] and result[0].read_bytes() == data
+        assert fetching.download(entry, tmp_path, progressbar=False).read_bytes() == data, "a later run finds it whole"
+    assert len(server.requests) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["fixture.zip"]
+
+
+def test_a_kaggle_file_another_run_is_downloading_is_not_taken(tmp_path):
+    "The kaggle client writes the archive under its own name: a second run took the half-written file as finished."
+    entry = dict(fetching.load_manifest()["sources"]["chest_ct"])
+    (tmp_path / entry["filename"]).write_bytes(b"PK half")
+    with hold_lock(tmp_path / f"{entry['filename']}.lock"):
+        with pytest.raises(BlockingIOError, match=f"^another run is downloading {re.escape(entry['filename'])} into "):
+            fetching.fetch_kaggle("chest_ct", entry, tmp_path)
+    assert fetching.fetch_kaggle("chest_ct", entry, tmp_path) == tmp_path / entry["filename"]
+
+
+PAGE = b"<html><body><form>Please log in</form></body></html>"
+
+
+@pytest.mark.parametrize("headers,error,message", [
+    ({"Content_Type": "text/html; charset=utf-8"}, fetching.DownloadError, "answered an HTML page, not the file"),
+    ({"Content_Type": "application/octet-stream"}, fetching.ChecksumError, f"sends {len(PAGE)} bytes, the manifest says 200000")])
+def test_a_page_in_place_of_the_file_keeps_the_partial_download(tmp_path, headers, error, message):
+    "A login or captive-portal page (200) answering the resume request overwrote the partial download, which the checksum then deleted."
+    data = bytes(np.random.default_rng(2).integers(0, 256, 200_000, dtype=np.uint8))
+    (tmp_path / "fixture.zip.part").write_bytes(data[:100_000])
+    with ScriptedServer(lambda handler, n: send(handler, 200, PAGE, **headers)) as server:
+        with pytest.raises(error, match=f"^fixture\\.zip from {re.escape(server.url)}/a\\.zip.* {message}[^\n]*$"):
+            fetching.download(http_entry(server.url + "/a.zip", data), tmp_path, progressbar=False)
+    assert server.requests == [("/a.zip", "bytes=100000-")]
+    assert (tmp_path / "fixture.zip.part").read_bytes() == data[:100_000], "the bytes received so far are kept"
+
+
+@pytest.mark.parametrize("status,advice", [
+    (404, "HTTP 404 Not Found; the file is not there, it may have moved: find it on https://example.org/page "
+          "and put its link in the manifest's url"),
+    (500, "HTTP 500 Internal Server Error; the server failed: try again later"),
+    (302, "the server redirects in a loop .*; the link may be out of date: find the file on https://example.org/page "
+          "and put its link in the manifest's url")])
+def test_a_download_the_server_refuses_is_named_with_advice_that_fits(tmp_path, status, advice):
+    "404, 500 and a redirect loop all said 'run the same command again to resume', naming only the URL."
+    data = b"abcdefgh" * 1000
+    (tmp_path / "fixture.zip.part").write_bytes(data[:100])
+    with ScriptedServer(lambda handler, n: send(handler, status, Location=handler.path)) as server:
+        url = server.url + "/a.zip"
+        with pytest.raises(fetching.DownloadError, match=f"^fixture\\.zip from {re.escape(url)}: {advice}$") as caught:
+            fetching.download(http_entry(url, data, page="https://example.org/page"), tmp_path, progressbar=False)
+    assert "resume" not in str(caught.value) and (tmp_path / "fixture.zip.part").read_bytes() == data[:100]
 
 
 # ------------------------------------------------------------------------------------------ dry run

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
-from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, check_unlocked, claim_folder,
-                                   image_path, write_classes_file, write_prompt_sets, write_split_table)
+from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, claim_folder,
+                                   image_path, lock_folder, write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
 from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
 
@@ -67,6 +67,7 @@ def prepare(bench: Benchmark, # what to prepare
             sources: dict | None = None, # manifest key -> how the file was verified and its SHA-256, for classes.json
             prompts: dict | None = None, # prompt set name -> class folder -> prompts, for prompt_sets.json
             resize: int | None = None, # store images at this many pixels on the short side (larger ones only); None: byte for byte
+            locked: bool = False, # the caller holds ``out``'s lock already (``lock_folder``)
             ) -> list[dict]:
     """Select every draw's images, write them under ``out`` with split.csv, classes.json and any prompt sets; return the split.csv rows."""
     from tqdm.auto import tqdm
@@ -87,7 +88,7 @@ def prepare(bench: Benchmark, # what to prepare
         if target in source_of:
             raise LayoutError(f"{source_of[target]} and {r.source}:{r.original} would both be written to {target}")
         source_of[target] = f"{r.source}:{r.original}"
-    with claim_folder(out, bench.name) as folder:  # written beside `out`, in its place only once complete
+    with claim_folder(out, bench.name, locked) as folder:  # written beside `out`, in its place only once complete
         table = []
         for view_name in dict.fromkeys(d.view for d, _ in chosen):
             view = views[view_name]
@@ -284,25 +285,25 @@ def run(bench: Benchmark, # the benchmark to prepare
     check_raw(raw, args.out)
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
-    check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads
-    check_unlocked(args.out)
-    read_split(args.split, bench.draws)
-    paths, missing = {}, []
-    # Kaggle sources first, so that missing credentials are reported before hours of other downloads
-    for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):
-        if missing and manifest["sources"][key]["download"] == "http":
-            break
-        try:
-            paths[key] = fetch(key, manifest["sources"][key], raw, local.get(key), progressbar=not args.no_progress)
-        except LoginRequired as err:
-            missing.append(str(err))
-    if missing:
-        raise LoginRequired("\n\n".join(missing))
-    prompts = prompt_sets(bench, paths)  # before any image is written: a bad prompt file stops the run early
-    views = {name: opener(paths) for name, (_, opener) in bench.views.items()}
-    sources = {key: provenance(manifest["sources"][key], path) for key, path in paths.items()}
-    return prepare(bench, views, args.out, args.split, seed=args.seed, limit=args.limit,
-                   progressbar=not args.no_progress, sources=sources, prompts=prompts, resize=args.resize)
+    with lock_folder(args.out):  # held from the first download to the last write: a second run on --out stops at once
+        check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads
+        read_split(args.split, bench.draws)
+        paths, missing = {}, []
+        # Kaggle sources first, so that missing credentials are reported before hours of other downloads
+        for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):
+            if missing and manifest["sources"][key]["download"] == "http":
+                break
+            try:
+                paths[key] = fetch(key, manifest["sources"][key], raw, local.get(key), progressbar=not args.no_progress)
+            except LoginRequired as err:
+                missing.append(str(err))
+        if missing:
+            raise LoginRequired("\n\n".join(missing))
+        prompts = prompt_sets(bench, paths)  # before any image is written: a bad prompt file stops the run early
+        views = {name: opener(paths) for name, (_, opener) in bench.views.items()}
+        sources = {key: provenance(manifest["sources"][key], path) for key, path in paths.items()}
+        return prepare(bench, views, args.out, args.split, seed=args.seed, limit=args.limit,
+                       progressbar=not args.no_progress, sources=sources, prompts=prompts, resize=args.resize, locked=True)
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:

@@ -1612,3 +1612,19 @@ def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, mo
             common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
     assert case != "foreign" or (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert case != "hand-made" or (tmp_path / "out" / "id/a/x.png").exists()
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_downloads(tmp_path, monkeypatch):
+    "The first run took --out's lock only when it began writing, after its downloads: a second run with its own --raw passed every check and downloaded everything too."
+    second = []
+    def downloading(key, *args, **kwargs):  # the first run, in its first download, meets a second run
+        if second or key == "second run": pytest.fail("the second run downloaded while the first was downloading")
+        second.append("second run")
+        with pytest.raises(BlockingIOError, match=f"another run is writing {re.escape(str(tmp_path / 'out'))}"):
+            common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw2")])
+        raise KeyboardInterrupt  # the first run stops here
+    monkeypatch.setattr(common, "fetch", downloading)
+    with pytest.raises(KeyboardInterrupt):
+        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw1")])
+    assert second, "the first run never downloaded"
+    assert not list(tmp_path.glob(".out*")), "the first run's lock outlived it"

@@ -4,7 +4,7 @@
 
 # %% auto 0
 __all__ = ['SPLIT_FILE', 'CLASSES_FILE', 'PROMPT_SETS_FILE', 'MARKER_FILE', 'SPLIT_COLUMNS', 'DICOM_SUFFIXES', 'IMAGE_SUFFIXES',
-           'SKIPPED_FILES', 'FIT', 'FOLDERS', 'image_path', 'check_unlocked', 'check_claimable', 'claim_folder',
+           'SKIPPED_FILES', 'FIT', 'FOLDERS', 'image_path', 'lock_folder', 'check_claimable', 'claim_folder',
            'write_split_table', 'write_classes_file', 'write_prompt_sets', 'PreparedFolder', 'has_dicom_marker',
            'is_image_file', 'open_csv', 'read_prepared']
 
@@ -57,13 +57,16 @@ def _maker(path:Path, # a folder, or where none is yet
 
 def _busy(root:Path): return BlockingIOError(f"another run is writing {root}; wait for it to end, or choose another --out")
 
-def check_unlocked(root:str|os.PathLike): # the prepared folder to (re)write
-    "Refuse a `root` that another run is writing now, holding the lock `claim_folder` takes. Changes nothing that is not stale."
-    lock = _places(Path(root).resolve())[2]
-    if not lock.exists(): return  # a run keeps its lock file as long as it writes
-    try:
-        with hold_lock(lock): pass
-    except BlockingIOError: raise _busy(Path(root).resolve()) from None
+@contextlib.contextmanager
+def lock_folder(root:str|os.PathLike): # the prepared folder to (re)write
+    "Hold `root`'s lock (the one `claim_folder` takes) while the block runs, as a run does from its first download to its last write; `BlockingIOError` naming `root` at once if another run holds it."
+    root = Path(root).resolve()
+    lock = _places(root)[2]
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        try: held.enter_context(hold_lock(lock, remove=True))
+        except BlockingIOError: raise _busy(root) from None
+        yield
 
 def check_claimable(root:str|os.PathLike, # the prepared folder to (re)write
                     benchmark:str): # the benchmark to write there
@@ -82,14 +85,13 @@ def check_claimable(root:str|os.PathLike, # the prepared folder to (re)write
 
 @contextlib.contextmanager
 def claim_folder(root:str|os.PathLike, # the prepared folder to (re)write
-                 benchmark:str): # the benchmark written there, recorded in its `MARKER_FILE`
+                 benchmark:str, # the benchmark written there, recorded in its `MARKER_FILE`
+                 locked:bool=False): # the caller holds `root`'s lock already (`lock_folder`); False: take it here
     "Yield a new folder to write `benchmark`'s prepared folder in, while no other run may claim `root`: it replaces `root` when the block ends; a failure, of the block or of the swap, leaves `root` as it was and nothing beside it."
     root = Path(root).resolve()
-    places = new, old, lock = _places(root)
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    places = new, old, _ = _places(root)
     with contextlib.ExitStack() as held:
-        try: held.enter_context(hold_lock(lock, remove=True))
-        except BlockingIOError: raise _busy(root) from None
+        if not locked: held.enter_context(lock_folder(root))
         check_claimable(root, benchmark)
         for stale in (new, old):  # what a killed run left: a half-written folder, or the one it was replacing
             if stale.exists(): shutil.rmtree(stale)

@@ -286,10 +286,19 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     if v.shape not in shapes or v.dtype.kind != "f": return None
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
     row = torch.from_numpy(v)[None]
-    n = torch.linalg.vector_norm(row, dim=1)  # the length, logits and confidence of the tensor paths, to the last bit
-    if not MIN_NORM <= float(n) < math.inf: return None  # NaN fails both comparisons
-    e = v / n.numpy()
-    base, confidence, k = classify(zero_shot_logits(row, views.tensors[0], temperature) / n[:, None], base_fn)  # a bad base score raises here
+    n = torch.linalg.vector_norm(row, dim=1)  # the tensor paths' length to the last bit: the bank keeps the row they keep
+    if not MIN_NORM <= (length := float(n)) < math.inf: return None  # NaN fails both comparisons
+    e = v / length  # numpy divides by the length in the dtype of v, which holds it exactly
+    logits = text @ e / temperature
+    base = base_fn(torch.from_numpy(logits)[None])  # the registered base score itself, on a (1, C) view
+    k = int(logits.argmax())
+    w = np.exp(logits - logits[k])
+    confidence = 1 / w.sum()  # `top_softmax`'s formula in the detector's dtype, without a tensor's fixed cost
+    w[k] = 0  # the other classes' weights: one near 1 is a near tie
+    slack = 4 * (sum(text.shape) + 4) * float(np.finfo(text.dtype).eps) / min(temperature, 1)  # twice how far rounding can move a log-confidence or a logit gap
+    near = abs(math.log(confidence / config.gamma)) <= slack or passes_gate(confidence, config.gamma) and w.max() >= math.exp(-slack)  # the gate, or a gated image's class, in doubt
+    if near or not isinstance(base, Tensor) or base.shape != (1,) or not abs(float(base)) <= MAX_BASE / 2:  # NaN fails the last
+        base, confidence, k = classify(zero_shot_logits(row, views.tensors[0], temperature) / n[:, None], base_fn)  # the tensor paths' own numbers; a bad base score raises here
     base, k = float(base), int(k)
     if abs(base) > MAX_BASE: return None  # the general path raises
     welford = Welford(welford.n, welford.mean, welford.m2)

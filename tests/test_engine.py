@@ -183,3 +183,74 @@ def test_routing_each_image_to_its_own_class_changes_nothing_at_the_gate(dtype):
             got = routed.score(E[a:a + size], return_parts=True, routed=want.predicted)
             for name in ("score", "base", "alpha", "enqueued", "predicted"): assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert torch.equal(routed.bank.entries, plain.bank.entries) and torch.equal(routed.bank.counts, plain.bank.counts)
+
+
+def test_one_image_takes_the_tensor_path_only_near_a_decision(monkeypatch):
+    "One image at a time: numpy's confidence decides the gate, and the tensor paths' `classify` runs only for one within rounding of γ."
+    calls, real = [], engine.classify
+    monkeypatch.setattr(engine, "classify", lambda *a: calls.append(1) or real(*a))
+    gamma, dt = 0.7, torch.float32
+    T, E = clustered_stream(10, 512, 300, seed=6)
+    cfg = ProtonConfig(gamma=gamma, k_min=1, bank_size=8, temperature=0.01)
+    E = E.astype(np.float32)
+    confidence = Proton(T, cfg, dtype=dt)._classify(*as_rows(E, dtype=dt))[1]
+    far = E[((confidence - gamma).abs() > 0.1).numpy()]  # ordinary images: their gate is not in doubt
+    assert len(far) > 200
+    det = Proton(T, cfg, dtype=dt)
+    for x in far: det.score(x)
+    assert det.bank.counts.sum() > 0 and not calls  # numpy alone, enqueues included
+    near = near_the_gate(gamma, dt)[::50]  # within a few units in the last place of γ
+    det = Proton(np.eye(2, 4), cfg, dtype=dt)
+    for x in near: det.score(x)
+    assert len(calls) == len(near)
+
+
+def crossing(inside, x0, x1, dtype):
+    "The nearest points of `dtype` on either side of where `inside` changes on the segment x0 -> x1; none if it does not change."
+    at = lambda s: ((1 - s) * x0 + s * x1).astype(dtype)
+    a, b = 0., 1.
+    if inside(at(a)) == inside(at(b)): return []
+    for _ in range(60):
+        m = (a + b) / 2
+        if inside(at(m)) == inside(at(a)): a = m
+        else: b = m
+    return [at(a), at(b)]
+
+
+decisions = st.fixed_dictionaries(dict(
+    n_classes=st.integers(2, 5), dim=st.integers(2, 512), gamma=st.sampled_from([0.3, 0.5, 0.7, 0.9, 0.99, 1.0]),
+    temperature=st.sampled_from([0.01, 0.1, 1.0]), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 10_000)))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(decisions)
+def test_one_image_gates_and_classes_as_the_tensor_path_near_gamma_and_ties(p):
+    """Confidences within a few units in the last place of γ and logits within a few of a tie, among ordinary images: one
+    image at a time enqueues the same images into the same classes as the step path given one image per call (the same
+    tensor operations; a larger batch may round a logit's last bit differently, as chapter 50 says)."""
+    C, d, dt = p["n_classes"], p["dim"], p["dtype"]
+    ndt = str(dt).split(".")[1]
+    T, E = clustered_stream(C, d, 30, seed=p["seed"])
+    cfg = ProtonConfig(gamma=p["gamma"], k_min=1, bank_size=128, temperature=p["temperature"])
+    ref = Proton(T, cfg, dtype=dt)
+    tensor = lambda x: ref._classify(*as_rows(x[None], dtype=dt))  # the (1, d) row's base score, confidence and class
+    rng = np.random.default_rng(p["seed"])
+    near = []
+    for a in range(C):
+        b = (a + 1) % C
+        near += crossing(lambda x: bool(tensor(x)[1] >= p["gamma"]), T[a], T.mean(0) + rng.normal(size=d) / d, ndt)  # the gate
+        x0 = T[a] + rng.normal(size=d) / d
+        first = int(tensor(x0.astype(ndt))[2])
+        near += crossing(lambda x: int(tensor(x)[2]) == first, x0, T[b], ndt)  # a tie
+    assert near
+    nudged = [x.copy() for x in near for _ in range(3)]
+    for x in nudged: i = rng.integers(d); x[i] = np.nextafter(x[i], rng.choice([-np.inf, np.inf]), dtype=ndt)  # one unit in the last place
+    S = np.vstack([E.astype(ndt), *near, *nudged])
+    S = S[rng.permutation(len(S))]
+    one, steps = Proton(T, cfg, dtype=dt), Proton(T, cfg, dtype=dt)
+    enqueued = []
+    for x in S:
+        n = int(one.bank.counts.sum()); one.score(x); enqueued.append(int(one.bank.counts.sum()) > n)
+    parts = [steps.score(x[None], return_parts=True) for x in S]
+    assert enqueued == torch.cat([q.enqueued for q in parts]).tolist()
+    assert torch.equal(one.bank.counts, steps.bank.counts) and torch.equal(one.bank.entries, steps.bank.entries)  # the same rows in the same classes

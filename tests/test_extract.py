@@ -649,6 +649,25 @@ def test_names_that_are_not_utf8_are_refused_before_the_model_loads(tmp_path, mo
     assert not (tmp_path / "c.npz").exists() and not (tmp_path / "c.npz.shards").exists()
 
 
+@pytest.mark.parametrize("args, said", [  # what the metadata records besides the folder: "\udce9" a latin-1 "é", "\udce8" an "è"
+    (["--prompts", "pr\udce9.txt"], "the prompt file's name 'pr\\udce9.txt'"),
+    (["--model", "open_clip:ViT-S-32/", "--checkpoint", "mod\udce8le.pt"], "the weights' name 'mod\\udce8le.pt'"),
+    (["--model", "open_clip:ViT-S-32/caf\udce9/w.pt"], "the model's name 'open_clip:ViT-S-32/caf\\udce9/w.pt'"),
+    (["--prompts", "caf\udce9,dr"], "a prompt 'caf\\udce9'"),
+])
+def test_other_texts_of_the_metadata_that_are_not_utf8_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, args, said):
+    "The prompt file's name, the weights', a weights path in the model's name, a prompt: every image was embedded, then the save refused metadata['prompt_source'], ..."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the names were checked"))
+    monkeypatch.chdir(tmp_path)
+    root = make_prepared("prep")
+    Path("pr\udce9.txt").write_text("normal\ndr\n"); Path("mod\udce8le.pt").write_bytes(b"weights")
+    Path("caf\udce9").mkdir(); Path("caf\udce9/w.pt").write_bytes(b"weights")
+    assert extract_main(["--model", MODEL, "--data", str(root), "--out", "c.npz", "--no-progress", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"proton-ood extract: error: {said} is not UTF-8 text") and err.count("\n") == 1, err
+    assert not Path("c.npz").exists() and not Path("c.npz.shards").exists()
+
+
 def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):
     root = tmp_path / "p"
     for rel, content in {"fit/normal/a.png": None, "fit/glaucoma/b.png": None, "id/normal/c.png": b"junk", "id/glaucoma/d.png": b"junk"}.items():

@@ -916,6 +916,23 @@ def test_other_weights_at_the_same_checkpoint_path_are_refused(tmp_path, random_
     assert run_images(folder, out, random_vlm, checkpoint=model) == (2, 6)  # the day's weights again: the stream continues
 
 
+@pytest.mark.filterwarnings("ignore:one class")
+def test_a_reference_stream_scored_with_other_weights_at_the_same_checkpoint_path_is_refused(tmp_path, random_vlm):
+    "Only model, classes, prompts and config were compared: θ was set silently from the scores of the weights the file held before."
+    folder, model = photo_folder(tmp_path / "in", n=6, broken=()), tmp_path / "model.pt"
+    score = lambda out, **kw: score_stream(folder, tmp_path / out, random_vlm, "a", config=ProtonConfig(bank_size=20, k_min=1), warmup=2,
+                                           chunk_size=2, checkpoint=model, progress=False, **kw)  # one class: every image calibrates the bank
+    model.write_bytes(b"weights of day 1")
+    score("ref.csv")
+    assert score("same.csv", reference=tmp_path / "ref.csv") == (6, 6)
+    model.write_bytes(b"weights of day 2 (retrained)")
+    with pytest.raises(ValueError, match=r"ref\.csv was scored by a detector with other settings \(checkpoint_sha256\)"):
+        score("new.csv", reference=tmp_path / "ref.csv")
+    assert not (tmp_path / "new.csv").exists()
+    without(tmp_path / "ref.csv", "checkpoint_sha256")  # an earlier version's reference: its weights are not known
+    assert score("old.csv", reference=tmp_path / "ref.csv") == (6, 6)
+
+
 def test_a_stream_begun_before_the_weights_sha256_was_recorded_continues_and_records_it(tmp_path, random_vlm):
     folder, out = photo_folder(tmp_path / "in", n=4, broken=()), tmp_path / "r.csv"
     (tmp_path / "model.pt").write_bytes(b"weights of day 1")

@@ -305,7 +305,8 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
     if stream is not None and stream.state_path.exists():  # a stream of `score_stream`: its committed rows
         saved, rows = stream.load(columns=["score", "calibrated"])
         cached = settings is not None and any(str(x["model"]).startswith("cache:") for x in (saved["settings"], settings))  # named by its file, not its VLM
-        diff = [] if settings is None else [k for k in ("model", "classes", "prompts", "config")[cached:] if saved["settings"].get(k) != settings[k]]
+        keys = ("model", "checkpoint_sha256", "classes", "prompts", "config")[2 * cached:]  # the weights' digest: not known in an earlier version's state
+        diff = [] if settings is None else [k for k in keys if saved["settings"].get(k, settings[k]) != settings[k]]
         if diff: raise ValueError(f"{path} was scored by a detector with other settings ({', '.join(diff)}): its scores are on another scale than this stream's")
         values = [s for s, calibrated in rows if calibrated == "True"]
     else:
@@ -490,7 +491,7 @@ def _parser():
     p.add_argument("--k-min", type=int, default=ProtonConfig.k_min, help="K_min, images every class needs before prototypes are used")
     p.add_argument("--warmup", type=int, default=200, help="W, calibrated images the threshold is read from (assumed ID)")
     p.add_argument("--id-recall", type=float, default=0.95, help="q: the threshold is the q-quantile of the warm-up's scores")
-    p.add_argument("--reference", default=None, help="scores of known-ID images (a results file of score with the same model, classes and detector settings, or one a line): the threshold comes from them")
+    p.add_argument("--reference", default=None, help="scores of known-ID images (a results file of score with the same model, weights, classes and detector settings, or one a line): the threshold comes from them")
     p.add_argument("--drift-k", type=float, default=0.5, help="CUSUM allowance, in standard deviations")
     p.add_argument("--drift-h", type=float, default=5., help="CUSUM decision level, in standard deviations")
     p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk")

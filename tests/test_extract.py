@@ -668,6 +668,16 @@ def test_other_texts_of_the_metadata_that_are_not_utf8_are_refused_before_the_mo
     assert not Path("c.npz").exists() and not Path("c.npz.shards").exists()
 
 
+def test_a_cache_in_a_folder_whose_name_is_not_utf8_is_reported_escaped(data, tmp_path):
+    "Under a strict UTF-8 stdout (PYTHONIOENCODING=utf-8) the summary line naming --out failed once the cache was written: exit status 1."
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    odd.mkdir()
+    r = subprocess.run([str(Path(sys.executable).with_name("proton-ood")), "extract", "--model", MODEL, "--data", str(data), "--out", str(odd / "c.npz"),
+                        "--device", "cpu", "--workers", "0", "--no-progress"], capture_output=True, env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=600)
+    assert r.returncode == 0 and b"caf\\udce9/c.npz" in r.stdout, r.stderr.decode(errors="backslashreplace")
+    assert EmbeddingCache.load(odd / "c.npz").metadata["n_images"] == N
+
+
 def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):
     root = tmp_path / "p"
     for rel, content in {"fit/normal/a.png": None, "fit/glaucoma/b.png": None, "id/normal/c.png": b"junk", "id/glaucoma/d.png": b"junk"}.items():

@@ -863,6 +863,13 @@ def _join_torchrun(device:str): # the device asked for
     dist.init_process_group("nccl" if cuda else "gloo")
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else device
 
+def _say(text:str, # a line to print
+         file=None): # where it goes; None: stdout
+    "Print `text`, escaping what the stream's encoding cannot hold (a name in another encoding, under strict UTF-8): a line cannot fail once the work is done."
+    file = file or sys.stdout
+    enc = getattr(file, "encoding", None) or "utf-8"
+    print(text.encode(enc, "backslashreplace").decode(enc), file=file)
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -886,7 +893,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         print(f"proton-ood extract: error: {e}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
-    print(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
+    _say(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:
-        print(f"  skipped {len(cache.metadata['skipped_files'])} unreadable images, listed in the cache's metadata (skipped_files)")
+        _say(f"  skipped {len(cache.metadata['skipped_files'])} unreadable images, listed in the cache's metadata (skipped_files)")
     return 0

@@ -28,7 +28,7 @@ from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_wri
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
-from .extract import default_workers, file_sha256, read_prompt_file, resolve_prompts
+from .extract import _say, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import read_image, spec_weights
 
@@ -70,7 +70,7 @@ def _text_only(paths:list, # real paths of images, in stream order
     odd = [p for p in paths if not _is_text(p)]
     if not odd: return paths
     if len(odd) == len(paths): raise ValueError(f"the names of the images in {source} are not UTF-8 text, as the results need; rename them (first: {odd[0]!r})")
-    warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {source} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
+    warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {str(source)!r} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
                   f"and cannot be written to the results; rename {'them' if len(odd) > 1 else 'it'} (first: {odd[0]!r})", UnreadableImagesWarning, stacklevel=4)
     return [p for p in paths if _is_text(p)]
 
@@ -534,10 +534,11 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
                                   args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,
                                   chunk_size=args.chunk_size, batch_size=args.batch_size, workers=args.workers, strict=args.strict, progress=not args.no_progress)
-    print(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
-    print(f"  {stream_status(args.out)}")
+    entries = len(write_audit(args.out, args.audit)) if args.audit else None  # every file is written before a line is printed
+    _say(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
+    _say(f"  {stream_status(args.out)}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
-        if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")
-        else: print(f"proton-ood score: warning: {w.message}", file=sys.stderr)
-    if args.audit: print(f"wrote {args.audit}: {len(write_audit(args.out, args.audit))} bank entries")
+        if issubclass(w.category, UnreadableImagesWarning): _say(f"  {w.message}")
+        else: _say(f"proton-ood score: warning: {w.message}", sys.stderr)
+    if args.audit: _say(f"wrote {args.audit}: {entries} bank entries")
     return 0

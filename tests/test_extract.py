@@ -459,6 +459,17 @@ def test_unreadable_images_are_skipped_and_reported_or_refused_in_strict_mode(cl
     with pytest.raises(ValueError, match="cannot read image .*coffee.jpg"): extract(clip, root, strict=True, **RUN)
 
 
+def test_an_unreadable_image_is_named_once_in_the_strict_error(clip, tmp_path):
+    "PIL's error names the file itself: 'cannot read image P: cannot identify image file 'P'', read from the image or from a kept shard."
+    root = make_prepared(tmp_path / "d", split=False)
+    moon = root / "id/normal/moon.png"
+    moon.write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    with pytest.raises(ValueError, match="cannot read image") as read: extract(clip, root, strict=True, **dict(RUN, num_workers=0))
+    with pytest.warns(UserWarning, match="1 of 12 images could not be read"): extract(clip, root, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+    with pytest.raises(ValueError, match="cannot read image") as kept: extract(clip, root, out=tmp_path / "c.npz", strict=True, **RUN)
+    for e in (read.value, kept.value): assert str(e).count(str(moon)) == 1, f"the file is named more than once: {e}"
+
+
 def test_a_decompression_bomb_is_named(clip, tmp_path, monkeypatch):
     from PIL import Image as PILImage
     root = make_prepared(tmp_path / "d", split=False)

@@ -42,7 +42,7 @@ from ..bench.prepared import PreparedFolder, read_prepared
 from ..deploy import check_writable, hold_lock, same_file
 from . import VLM, load_vlm, model_device, prompt_ensemble
 from ..scores import plain_number
-from .vlm import as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
+from .vlm import _named, as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
 
 # %% ../../nbs/43_extract.ipynb
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
@@ -202,7 +202,7 @@ class ImageFiles(torch.utils.data.Dataset):
         path = self.root / self.files[i]
         try: return self._prepare(read_image(path)), ""
         except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, ValueError (DICOM, PIL's size limit), ...
-            if self.strict: raise ValueError(f"cannot read image {path}: {e}") from e
+            if self.strict: raise ValueError(f"cannot read image {_named(path, e)}") from e
             zeros = torch.zeros(self.shape, dtype=torch.float32 if self.pixels is None else torch.uint8)  # a pixel batch stays one
             return zeros, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
@@ -793,7 +793,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
         errors = np.concatenate([p["errors"] for p in parts])
         skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
-        if skipped and strict: raise ValueError(f"cannot read image {folder.root / skipped[0]['file']}: {skipped[0]['error']}")
+        if skipped and strict: raise ValueError(f"cannot read image {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}")
         if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
         fit = np.array(folder.shift) == "fit"
         keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images

@@ -30,7 +30,7 @@ from ..scores import plain_number
 from . import model_device
 from .extract import _say, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
-from .vlm import read_image, spec_weights
+from .vlm import _named, read_image, spec_weights
 
 # %% ../../nbs/47_score.ipynb
 ORDERS = ("name", "mtime", "list")
@@ -253,11 +253,6 @@ SCORE_FORMAT = "proton-score-1"
 
 class UnreadableImagesWarning(UserWarning):
     "Some images could not be read: they were left out of this run and will be tried again by the next."
-
-def _named(path, # an image file
-           e:Exception): # the error reading it
-    "The error, naming the file once: as it is when its text names the file already (as DICOM's and PIL's errors do), else after the file's path."
-    return str(e) if str(path) in str(e) else f"{path}: {e}"
 
 def _readable(paths:list, # every image path of the stream
               at:list, # the positions in `paths` to read

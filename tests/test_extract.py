@@ -459,6 +459,17 @@ def test_unreadable_images_are_skipped_and_reported_or_refused_in_strict_mode(cl
     with pytest.raises(ValueError, match="cannot read image .*coffee.jpg"): extract(clip, root, strict=True, **RUN)
 
 
+def test_an_unreadable_image_is_named_once_in_the_strict_error(clip, tmp_path):
+    "PIL's error names the file itself: 'cannot read image P: cannot identify image file 'P'', read from the image or from a kept shard."
+    root = make_prepared(tmp_path / "d", split=False)
+    moon = root / "id/normal/moon.png"
+    moon.write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    with pytest.raises(ValueError, match="cannot read image") as read: extract(clip, root, strict=True, **dict(RUN, num_workers=0))
+    with pytest.warns(UserWarning, match="1 of 12 images could not be read"): extract(clip, root, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+    with pytest.raises(ValueError, match="cannot read image") as kept: extract(clip, root, out=tmp_path / "c.npz", strict=True, **RUN)
+    for e in (read.value, kept.value): assert str(e).count(str(moon)) == 1, f"the file is named more than once: {e}"
+
+
 def test_a_decompression_bomb_is_named(clip, tmp_path, monkeypatch):
     from PIL import Image as PILImage
     root = make_prepared(tmp_path / "d", split=False)
@@ -647,6 +658,35 @@ def test_names_that_are_not_utf8_are_refused_before_the_model_loads(tmp_path, mo
     err = capsys.readouterr().err
     assert err.startswith(f"proton-ood extract: error: {said} is not UTF-8 text") and "rename it" in err and err.count("\n") == 1, err
     assert not (tmp_path / "c.npz").exists() and not (tmp_path / "c.npz.shards").exists()
+
+
+@pytest.mark.parametrize("args, said", [  # what the metadata records besides the folder: "\udce9" a latin-1 "é", "\udce8" an "è"
+    (["--prompts", "pr\udce9.txt"], "the prompt file's name 'pr\\udce9.txt'"),
+    (["--model", "open_clip:ViT-S-32/", "--checkpoint", "mod\udce8le.pt"], "the weights' name 'mod\\udce8le.pt'"),
+    (["--model", "open_clip:ViT-S-32/caf\udce9/w.pt"], "the model's name 'open_clip:ViT-S-32/caf\\udce9/w.pt'"),
+    (["--prompts", "caf\udce9,dr"], "a prompt 'caf\\udce9'"),
+])
+def test_other_texts_of_the_metadata_that_are_not_utf8_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, args, said):
+    "The prompt file's name, the weights', a weights path in the model's name, a prompt: every image was embedded, then the save refused metadata['prompt_source'], ..."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the names were checked"))
+    monkeypatch.chdir(tmp_path)
+    root = make_prepared("prep")
+    Path("pr\udce9.txt").write_text("normal\ndr\n"); Path("mod\udce8le.pt").write_bytes(b"weights")
+    Path("caf\udce9").mkdir(); Path("caf\udce9/w.pt").write_bytes(b"weights")
+    assert extract_main(["--model", MODEL, "--data", str(root), "--out", "c.npz", "--no-progress", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"proton-ood extract: error: {said} is not UTF-8 text") and err.count("\n") == 1, err
+    assert not Path("c.npz").exists() and not Path("c.npz.shards").exists()
+
+
+def test_a_cache_in_a_folder_whose_name_is_not_utf8_is_reported_escaped(data, tmp_path):
+    "Under a strict UTF-8 stdout (PYTHONIOENCODING=utf-8) the summary line naming --out failed once the cache was written: exit status 1."
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    odd.mkdir()
+    r = subprocess.run([str(Path(sys.executable).with_name("proton-ood")), "extract", "--model", MODEL, "--data", str(data), "--out", str(odd / "c.npz"),
+                        "--device", "cpu", "--workers", "0", "--no-progress"], capture_output=True, env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=600)
+    assert r.returncode == 0 and b"caf\\udce9/c.npz" in r.stdout, r.stderr.decode(errors="backslashreplace")
+    assert EmbeddingCache.load(odd / "c.npz").metadata["n_images"] == N
 
 
 def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):

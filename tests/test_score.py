@@ -710,6 +710,24 @@ def test_a_file_list_reaching_a_name_that_is_not_utf8_leaves_it_out_with_a_warni
     os.mkdir(odd); shutil.copy(folder / "0.png", odd + b"/0.png"); (Path(os.fsdecode(odd)) / "list.txt").write_text("0.png\n")
     with pytest.raises(ValueError, match=r"not UTF-8 text.*caf\\udce9/0\.png"): run_images(Path(os.fsdecode(odd)) / "list.txt", tmp_path / "s.csv", random_vlm)
     assert not list(tmp_path.glob("s.csv*"))
+    (Path(os.fsdecode(odd)) / "list.txt").write_text("../in/1.png\n0.png\n")  # one image outside it: scored, and the warning names the list
+    with pytest.warns(UserWarning, match="not UTF-8") as caught: run_images(Path(os.fsdecode(odd)) / "list.txt", tmp_path / "s.csv", random_vlm)
+    said = next(str(w.message) for w in caught if "not UTF-8" in str(w.message))
+    assert "caf\\udce9/list.txt" in said and said.isprintable(), said  # escaped, as the image's name is: no lone surrogate
+
+
+@pytest.mark.parametrize("case", ["the list's folder, in the warning", "the results' folder"])
+def test_a_name_that_is_not_utf8_is_printed_escaped_once_the_work_is_done(tmp_path, case):
+    "Under a strict UTF-8 stdout (PYTHONIOENCODING=utf-8) printing such a name failed after scoring: exit status 1, and no --audit written."
+    folder = photo_folder(tmp_path / "in", n=2, broken=())
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    odd.mkdir(); shutil.copy(folder / "1.png", odd / "1.png"); (odd / "list.txt").write_text("../in/0.png\n1.png\n")  # 1.png: left out
+    source, out = (odd / "list.txt", tmp_path / "r.csv") if case.startswith("the list") else (folder, odd / "r.csv")
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "score", str(source), "--out", str(out), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b", "--no-progress",
+                        "--audit", str(tmp_path / "a.csv")], capture_output=True, env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=600)
+    assert r.returncode == 0, r.stderr.decode(errors="backslashreplace")
+    assert (tmp_path / "a.csv").exists() and b"caf\\udce9" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("flag,what", [("--prompts", "the prompt file"), ("--checkpoint", "the model's weights")])
@@ -914,6 +932,23 @@ def test_other_weights_at_the_same_checkpoint_path_are_refused(tmp_path, random_
     if how == "the file replaced in place": shutil.copy(tmp_path / "v1.pt", model)
     else: os.remove(model); os.symlink("v1.pt", model)
     assert run_images(folder, out, random_vlm, checkpoint=model) == (2, 6)  # the day's weights again: the stream continues
+
+
+@pytest.mark.filterwarnings("ignore:one class")
+def test_a_reference_stream_scored_with_other_weights_at_the_same_checkpoint_path_is_refused(tmp_path, random_vlm):
+    "Only model, classes, prompts and config were compared: θ was set silently from the scores of the weights the file held before."
+    folder, model = photo_folder(tmp_path / "in", n=6, broken=()), tmp_path / "model.pt"
+    score = lambda out, **kw: score_stream(folder, tmp_path / out, random_vlm, "a", config=ProtonConfig(bank_size=20, k_min=1), warmup=2,
+                                           chunk_size=2, checkpoint=model, progress=False, **kw)  # one class: every image calibrates the bank
+    model.write_bytes(b"weights of day 1")
+    score("ref.csv")
+    assert score("same.csv", reference=tmp_path / "ref.csv") == (6, 6)
+    model.write_bytes(b"weights of day 2 (retrained)")
+    with pytest.raises(ValueError, match=r"ref\.csv was scored by a detector with other settings \(checkpoint_sha256\)"):
+        score("new.csv", reference=tmp_path / "ref.csv")
+    assert not (tmp_path / "new.csv").exists()
+    without(tmp_path / "ref.csv", "checkpoint_sha256")  # an earlier version's reference: its weights are not known
+    assert score("old.csv", reference=tmp_path / "ref.csv") == (6, 6)
 
 
 def test_a_stream_begun_before_the_weights_sha256_was_recorded_continues_and_records_it(tmp_path, random_vlm):

@@ -42,7 +42,7 @@ from ..bench.prepared import PreparedFolder, read_prepared
 from ..deploy import check_writable, hold_lock, same_file
 from . import VLM, load_vlm, model_device, prompt_ensemble
 from ..scores import plain_number
-from .vlm import as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
+from .vlm import _named, as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
 
 # %% ../../nbs/43_extract.ipynb
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
@@ -202,7 +202,7 @@ class ImageFiles(torch.utils.data.Dataset):
         path = self.root / self.files[i]
         try: return self._prepare(read_image(path)), ""
         except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, ValueError (DICOM, PIL's size limit), ...
-            if self.strict: raise ValueError(f"cannot read image {path}: {e}") from e
+            if self.strict: raise ValueError(f"cannot read image {_named(path, e)}") from e
             zeros = torch.zeros(self.shape, dtype=torch.float32 if self.pixels is None else torch.uint8)  # a pixel batch stays one
             return zeros, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
@@ -712,17 +712,21 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
                   out:str|os.PathLike|None=None, # as for `extract`
                   batch_size:int=64, num_workers:int|None=None, shard_size:int=256, worker_share:float=0, # as for `extract`
                   weights=None, # the model's weights file or snapshot folder, as `spec_weights` gives; None: none
-                  tokenizer=None): # the tokenizer's folder or its vocab.txt; None: none
+                  tokenizer=None, # the tokenizer's folder or its vocab.txt; None: none
+                  model:str|None=None): # the model's name, as the cache records it (`VLM.name`); None: not checked
     "(folder, prompts, prompt sets, where the prompts came from, worker share) once every argument of `extract` but the model is found fit: one line naming the first that is not, before any model loads."
     folder = read_prepared(data_dir)
-    for what, names in (("the prepared folder's name", folder.name), ("a class of the prepared folder", [*folder.classes, *folder.class_names]),
-                        ("a file of the prepared folder", folder.files)):  # what the cache records of the folder
-        bad = not_utf8(names, what)
-        if bad: raise ValueError(f"{what} {bad[1]!r} is not UTF-8 text (a name in another encoding?) and cannot be written to a cache; rename it")
     files = lambda x: x if isinstance(x, (str, os.PathLike)) else None
     inputs = {"the prompt file": files(prompts), "the prompt sets file": files(prompt_sets), **_model_files(weights, tokenizer)}
     prompt_source = "classes.json" if prompts is None else Path(prompts).name if isinstance(prompts, (str, os.PathLike)) else "argument"
     prompts, sets = resolve_prompts(prompts, folder), resolve_prompt_sets(prompt_sets, folder)
+    texts = {"the prepared folder's name": folder.name, "a class of the prepared folder": [*folder.classes, *folder.class_names],
+             "a file of the prepared folder": folder.files, "the prompt file's name": prompt_source,
+             "the weights' name": None if weights is None else Path(weights).name, "the model's name": model, "a prompt": [prompts, sets]}
+    for what, x in texts.items():  # every text the cache's metadata records that is known before the model loads
+        bad = not_utf8(x, what)
+        if bad: raise ValueError(f"{what} {bad[1]!r} is not UTF-8 text (a name in another encoding?) and cannot be written to a cache; "
+                                 + ("write it in UTF-8" if what == "a prompt" else "rename it"))
     for name, v, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):
         if v is not None and (plain_number(v, whole=True) is None or v < low): raise ValueError(f"{name} must be an integer of at least {low}, got {v!r}")
     share = worker_fraction(worker_share)
@@ -752,9 +756,10 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             progress:bool=True): # show a progress bar
     "Embed every image and class prompt of a prepared folder into an `EmbeddingCache`, resumably."
     from tqdm.auto import tqdm
-    weights = spec_weights(vlm if isinstance(vlm, str) else vlm.name, checkpoint)  # open_clip:<arch>/<file> names its weights itself
+    name = vlm if isinstance(vlm, str) else vlm.name
+    weights = spec_weights(name, checkpoint)  # open_clip:<arch>/<file> names its weights itself
     folder, prompts, sets, prompt_source, share = check_extract(data_dir, prompts, prompt_sets, out, batch_size, num_workers, shard_size, worker_share,
-                                                                weights)
+                                                                weights, model=name)
     if isinstance(vlm, str): vlm = load_vlm(vlm, checkpoint, device=model_device(device))
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
@@ -788,7 +793,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
         errors = np.concatenate([p["errors"] for p in parts])
         skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
-        if skipped and strict: raise ValueError(f"cannot read image {folder.root / skipped[0]['file']}: {skipped[0]['error']}")
+        if skipped and strict: raise ValueError(f"cannot read image {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}")
         if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
         fit = np.array(folder.shift) == "fit"
         keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
@@ -858,13 +863,20 @@ def _join_torchrun(device:str): # the device asked for
     dist.init_process_group("nccl" if cuda else "gloo")
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else device
 
+def _say(text:str, # a line to print
+         file=None): # where it goes; None: stdout
+    "Print `text`, escaping what the stream's encoding cannot hold (a name in another encoding, under strict UTF-8): a line cannot fail once the work is done."
+    file = file or sys.stdout
+    enc = getattr(file, "encoding", None) or "utf-8"
+    print(text.encode(enc, "backslashreplace").decode(enc), file=file)
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     try:
         prompts = parse_prompts(args.prompts)  # a wrong folder, prompt or option fails before the model loads
         check_extract(args.data, prompts, False if args.no_prompt_sets else args.prompt_sets, args.out, args.batch_size, args.workers, args.shard_size, args.worker_share,
-                      spec_weights(args.model, args.checkpoint), args.tokenizer)
+                      spec_weights(args.model, args.checkpoint), args.tokenizer, args.model)
         device = _join_torchrun(str(model_device(args.device)))
         vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer)
         with warnings.catch_warnings():
@@ -881,7 +893,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         print(f"proton-ood extract: error: {e}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
-    print(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
+    _say(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:
-        print(f"  skipped {len(cache.metadata['skipped_files'])} unreadable images, listed in the cache's metadata (skipped_files)")
+        _say(f"  skipped {len(cache.metadata['skipped_files'])} unreadable images, listed in the cache's metadata (skipped_files)")
     return 0

@@ -28,9 +28,9 @@ from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_wri
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
-from .extract import default_workers, file_sha256, read_prompt_file, resolve_prompts
+from .extract import _say, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
-from .vlm import read_image, spec_weights
+from .vlm import _named, read_image, spec_weights
 
 # %% ../../nbs/47_score.ipynb
 ORDERS = ("name", "mtime", "list")
@@ -70,7 +70,7 @@ def _text_only(paths:list, # real paths of images, in stream order
     odd = [p for p in paths if not _is_text(p)]
     if not odd: return paths
     if len(odd) == len(paths): raise ValueError(f"the names of the images in {source} are not UTF-8 text, as the results need; rename them (first: {odd[0]!r})")
-    warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {source} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
+    warnings.warn(f"{len(odd)} image{'s' * (len(odd) > 1)} in {str(source)!r} {'have names' if len(odd) > 1 else 'has a name'} that {'are' if len(odd) > 1 else 'is'} not UTF-8 text "
                   f"and cannot be written to the results; rename {'them' if len(odd) > 1 else 'it'} (first: {odd[0]!r})", UnreadableImagesWarning, stacklevel=4)
     return [p for p in paths if _is_text(p)]
 
@@ -254,11 +254,6 @@ SCORE_FORMAT = "proton-score-1"
 class UnreadableImagesWarning(UserWarning):
     "Some images could not be read: they were left out of this run and will be tried again by the next."
 
-def _named(path, # an image file
-           e:Exception): # the error reading it
-    "The error, naming the file once: as it is when its text names the file already (as DICOM's and PIL's errors do), else after the file's path."
-    return str(e) if str(path) in str(e) else f"{path}: {e}"
-
 def _readable(paths:list, # every image path of the stream
               at:list, # the positions in `paths` to read
               strict:bool, # raise at the first unreadable image
@@ -305,7 +300,8 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
     if stream is not None and stream.state_path.exists():  # a stream of `score_stream`: its committed rows
         saved, rows = stream.load(columns=["score", "calibrated"])
         cached = settings is not None and any(str(x["model"]).startswith("cache:") for x in (saved["settings"], settings))  # named by its file, not its VLM
-        diff = [] if settings is None else [k for k in ("model", "classes", "prompts", "config")[cached:] if saved["settings"].get(k) != settings[k]]
+        keys = ("model", "checkpoint_sha256", "classes", "prompts", "config")[2 * cached:]  # the weights' digest: not known in an earlier version's state
+        diff = [] if settings is None else [k for k in keys if saved["settings"].get(k, settings[k]) != settings[k]]
         if diff: raise ValueError(f"{path} was scored by a detector with other settings ({', '.join(diff)}): its scores are on another scale than this stream's")
         values = [s for s, calibrated in rows if calibrated == "True"]
     else:
@@ -490,7 +486,7 @@ def _parser():
     p.add_argument("--k-min", type=int, default=ProtonConfig.k_min, help="K_min, images every class needs before prototypes are used")
     p.add_argument("--warmup", type=int, default=200, help="W, calibrated images the threshold is read from (assumed ID)")
     p.add_argument("--id-recall", type=float, default=0.95, help="q: the threshold is the q-quantile of the warm-up's scores")
-    p.add_argument("--reference", default=None, help="scores of known-ID images (a results file of score with the same model, classes and detector settings, or one a line): the threshold comes from them")
+    p.add_argument("--reference", default=None, help="scores of known-ID images (a results file of score with the same model, weights, classes and detector settings, or one a line): the threshold comes from them")
     p.add_argument("--drift-k", type=float, default=0.5, help="CUSUM allowance, in standard deviations")
     p.add_argument("--drift-h", type=float, default=5., help="CUSUM decision level, in standard deviations")
     p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk")
@@ -533,10 +529,11 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
         new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
                                   args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,
                                   chunk_size=args.chunk_size, batch_size=args.batch_size, workers=args.workers, strict=args.strict, progress=not args.no_progress)
-    print(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
-    print(f"  {stream_status(args.out)}")
+    entries = len(write_audit(args.out, args.audit)) if args.audit else None  # every file is written before a line is printed
+    _say(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
+    _say(f"  {stream_status(args.out)}")
     for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
-        if issubclass(w.category, UnreadableImagesWarning): print(f"  {w.message}")
-        else: print(f"proton-ood score: warning: {w.message}", file=sys.stderr)
-    if args.audit: print(f"wrote {args.audit}: {len(write_audit(args.out, args.audit))} bank entries")
+        if issubclass(w.category, UnreadableImagesWarning): _say(f"  {w.message}")
+        else: _say(f"proton-ood score: warning: {w.message}", sys.stderr)
+    if args.audit: _say(f"wrote {args.audit}: {entries} bank entries")
     return 0

@@ -134,6 +134,11 @@ def read_image(path:str|os.PathLike): # an image file: PNG, JPEG, TIFF, ... or D
             return im.copy()
     except Image.DecompressionBombError as e: raise ValueError(f"{path}: {e} (set PIL.Image.MAX_IMAGE_PIXELS higher to read it)") from None
 
+def _named(path, # an image file
+           e:Exception|str): # the error reading it, or its text
+    "The error, naming the file once: as it is when its text names the file already (as DICOM's and PIL's errors do), else after the file's path."
+    return str(e) if str(path) in str(e) else f"{path}: {e}"
+
 # %% ../../nbs/40_vlm.ipynb
 def _pair(size): return (int(size), int(size)) if isinstance(size, (int, np.integer)) else tuple(int(s) for s in size)
 

@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
@@ -307,12 +308,14 @@ def run(bench: Benchmark, # the benchmark to prepare
 
 
 def main(bench: Benchmark, argv: list[str] | None = None, description: str = "") -> int:
-    """``run`` for the command line: prints the plan or a summary, turns any failure but Ctrl-C into one line and an exit code."""
+    """``run`` for the command line: prints the plan or a summary, turns any failure but Ctrl-C and a broken pipe into one line and an exit code."""
     try:
         result = run(bench, argv, description)
     except LoginRequired as err:
         print(err, file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout left: ``command`` ends the script
+        raise
     except (ValueError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -327,6 +330,21 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
         counts[r["shift"]] = counts.get(r["shift"], 0) + 1
     print(f"{bench.name}: wrote {len(result)} images ({', '.join(f'{s} {counts[s]}' for s in FOLDERS if s in counts)})")
     return 0
+
+
+def command(body: Callable[[], int], # the script's work; returns its exit code
+            ) -> int:
+    """``body()`` as a script's exit code: a reader of stdout that leaves ends it silently (141), Ctrl-C in one line (130)."""
+    try:
+        code = body()
+        sys.stdout.flush()  # buffered output fails here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe: what is left goes nowhere
+        return 141
+    except KeyboardInterrupt:  # what was written is safe: a partial folder is cleared on the way out
+        print(f"{Path(sys.argv[0]).name}: interrupted", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------------------------- far OOD: Imagenette

@@ -15,7 +15,7 @@ Sources, sizes and licences: data_scripts/manifest.json; everything downloads wi
 import sys
 
 from archives import View, open_container
-from common import Benchmark, imagenette_draw, imagenette_view, main
+from common import Benchmark, command, imagenette_draw, imagenette_view, main
 from splits import Draw
 
 FIVES_CODES = {"N": "normal", "D": "diabetic_retinopathy", "G": "glaucoma", "A": "amd"}
@@ -76,4 +76,4 @@ BENCHMARK = Benchmark(
 )
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK, description=__doc__))
+    sys.exit(command(lambda: main(BENCHMARK, description=__doc__)))

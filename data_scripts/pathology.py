@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from archives import LayoutError, View, gunzip_once, open_container, png_bytes, safe_name
-from common import Benchmark, imagenette_draw, imagenette_view, main
+from common import Benchmark, command, imagenette_draw, imagenette_view, main
 from splits import Draw
 
 PCAM_LABELS = {0: "benign", 1: "malignant"}
@@ -116,4 +116,4 @@ BENCHMARK = Benchmark(
 )
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK, description=__doc__))
+    sys.exit(command(lambda: main(BENCHMARK, description=__doc__)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import ophthalmology
 import pathology
 import radiology
-from common import check_counts, main, parse_local
+from common import check_counts, command, main, parse_local
 
 BENCHMARKS = {m.BENCHMARK.name: m for m in (ophthalmology, radiology, pathology)}
 
@@ -61,4 +61,4 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(command(cli))

@@ -23,7 +23,7 @@ import re
 import sys
 
 from archives import LayoutError, View, open_container, png_bytes
-from common import Benchmark, imagenette_draw, imagenette_view, main
+from common import Benchmark, command, imagenette_draw, imagenette_view, main
 from splits import Draw
 
 RSNA_CLASSES = {"Normal": "normal", "Lung Opacity": "pneumonia",
@@ -110,4 +110,4 @@ BENCHMARK = Benchmark(
 )
 
 if __name__ == "__main__":
-    sys.exit(main(BENCHMARK, description=__doc__))
+    sys.exit(command(lambda: main(BENCHMARK, description=__doc__)))

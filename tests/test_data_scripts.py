@@ -1628,3 +1628,62 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_downloads(tmp_p
         common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw1")])
     assert second, "the first run never downloaded"
     assert not list(tmp_path.glob(".out*")), "the first run's lock outlived it"
+
+
+# ------------------------------------------------------------------------------------------ the scripts' command line: a reader that leaves, Ctrl-C
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+
+def script_env(unbuffered):
+    "The environment a script runs in: this one's, with stdout buffered as in a user's shell or unbuffered as in many containers."
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(DATA_SCRIPTS.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTHONUNBUFFERED", None)
+    return dict(env, PYTHONUNBUFFERED="1") if unbuffered else env
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("script", ["prepare_all.py", "pathology.py"])
+def test_a_reader_that_leaves_ends_a_script_silently(tmp_path, script, unbuffered):
+    "`prepare_all.py --dry-run | head -1` printed a BrokenPipeError traceback (exit 1), `pathology.py --dry-run | true` 'Exception ignored' (exit 120)."
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        p = subprocess.run([sys.executable, str(DATA_SCRIPTS / script), "--out", "out", "--raw", "raw", "--dry-run"], cwd=tmp_path,
+                           stdout=write, stderr=subprocess.PIPE, text=True, env=script_env(unbuffered), timeout=120)
+    finally:
+        os.close(write)
+    assert (p.returncode, p.stderr) == (141, "")
+
+
+@pytest.mark.parametrize("script", ["prepare_all.py", "pathology.py"])
+def test_ctrl_c_stops_a_script_in_one_line(tmp_path, script):
+    "Ctrl-C while a script reads a source printed a KeyboardInterrupt traceback of dozens of lines (exit -2)."
+    x = tmp_path / "x.h5.gz"  # PCam's x, a pipe nobody writes to: the run waits there until interrupted
+    os.mkfifo(x)
+    for name in ("y.h5.gz", "crc.zip", "i.tgz"):
+        (tmp_path / name).write_bytes(b"never read")
+    only = ["--only", "pathology"] if script == "prepare_all.py" else []
+    p = subprocess.Popen([sys.executable, str(DATA_SCRIPTS / script), *only, "--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"),
+                          "--no-progress", f"--local=pcam_test_x={x}", f"--local=pcam_test_y={tmp_path / 'y.h5.gz'}",
+                          f"--local=crc_val={tmp_path / 'crc.zip'}", f"--local=imagenette={tmp_path / 'i.tgz'}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(False))
+    deadline = time.monotonic() + 120
+    while True:  # opening the pipe for writing succeeds once the run opened it for reading
+        try:
+            writer = os.open(x, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+    try:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    assert (p.returncode, err) == (130, f"{script}: interrupted\n")
+    out = tmp_path / "out" / "pathology" if only else tmp_path / "out"
+    assert not out.exists() and not list(out.parent.glob(".*")), "the run left something in or beside the benchmark's folder"

@@ -136,3 +136,22 @@ def test_all_skips_an_experiment_the_cache_cannot_run_and_runs_the_rest(tmp_path
     assert (tmp_path / "r_dynamics.csv").exists() and not (tmp_path / "r_triage.csv").exists()
     r = run("evaluate", str(path), "--out", str(tmp_path / "t.csv"), "--experiments", "triage", "--no-progress")  # triage takes no --permutations
     assert one_line_error(r) and "two OOD shifts" in r.stderr, r.stderr
+
+
+def test_a_reader_that_stops_reading_leaves_evaluate_results_and_protocol_in_step(tmp_path):
+    "The summary is printed after the CSV and its protocol are both written: a closed pipe at the print leaves them matching."
+    import json
+    import pandas as pd
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=60, n_per_shift=20).save(path)
+    out = tmp_path / "e.csv"
+    assert run("evaluate", str(path), "--permutations", "1", "--no-progress", "--fpr95", "mcm", "--out", str(out)).returncode == 0
+    reader, writer = os.pipe()
+    os.close(reader)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "evaluate", str(path), "--permutations", "1", "--no-progress", "--out", str(out)], stdout=writer,
+                       stderr=subprocess.PIPE, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))  # the print fails at once
+    os.close(writer)
+    assert r.returncode == 141, r.stderr
+    protocol = json.loads((tmp_path / "e_protocol.json").read_text())["main_table"]
+    assert set(pd.read_csv(out).fpr95_convention) == {protocol["fpr95_convention"]} == {"ju2025"}

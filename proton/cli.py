@@ -45,14 +45,18 @@ def _flush_stdout():
         _mute_stdout()
         raise OSError(e.errno, f"cannot write to standard output: {e.strerror}") from None  # EPIPE stays a BrokenPipeError
 
-def main(argv:list|None=None): # command-line arguments; None reads sys.argv
-    "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
+def _parser():
+    "The parser of `proton-ood` itself, which only prints help, the version or a usage error: a command's options are its own."
     from proton import __version__
     p = argparse.ArgumentParser(prog="proton-ood", description="Test-time OOD detection for medical VLMs.",
                                 epilog="Run `proton-ood COMMAND --help` for the options of a command.")
     p.add_argument("--version", action="version", version=f"proton-ood {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (give it before the command)")
     p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
+    return p
+
+def main(argv:list|None=None): # command-line arguments; None reads sys.argv
+    "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = argv[:1] == ["--debug"]
     argv = argv[debug:]
@@ -63,7 +67,8 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
         warnings.showwarning = lambda message, *_, **__: print(f"{name}: warning: {' '.join(str(message).split())}", file=sys.stderr)
     try:
         try:
-            if command is None: p.parse_args(argv)  # prints help or version, or the usage error, and exits
+            # every import in the try, torch's included (`import proton` loads none): a Ctrl-C while they load is one line too
+            if command is None: _parser().parse_args(argv)  # prints help or version, or the usage error, and exits
             if command == "evaluate": from proton.bench.evaluation import evaluate_main as run
             elif command == "extract": from proton.models.extract import extract_main as run
             elif command == "score": from proton.models.score import score_main as run

@@ -171,3 +171,21 @@ def test_a_reader_that_stops_reading_leaves_evaluate_results_and_protocol_in_ste
     assert r.returncode == 141, r.stderr
     protocol = json.loads((tmp_path / "e_protocol.json").read_text())["main_table"]
     assert set(pd.read_csv(out).fpr95_convention) == {protocol["fpr95_convention"]} == {"ju2025"}
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
+    "Ctrl-C in a command's first second, while it imports torch and the rest, ends it as Ctrl-C later does: one line, status 130."
+    import signal
+    import time
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    interrupted = 0
+    for delay in (0.4, 0.25, 0.6, 0.15):  # after Python's own start-up (a signal before it kills any Python program)
+        p = subprocess.Popen([exe, "info", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay); p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=600)
+        assert (p.returncode, err) in ((130, "proton-ood info: interrupted\n"), (0, "")), (delay, p.returncode, err)
+        interrupted += p.returncode == 130
+        if interrupted >= 2: break
+    assert interrupted >= 2

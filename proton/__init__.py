@@ -7,16 +7,20 @@ __all__ = []
 
 # %% ../nbs/index.ipynb
 import re
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .scores import BASE_SCORES, as_unit_rows, classify, zero_shot_logits, get_base_score
-from .bank import PrototypeBank
-from .proto import proto_score
-from .fusion import Welford, adaptive_fusion, fusion_weight, fuse
-from .detector import Proton, ProtonConfig, ProtonParts
-from .metrics import ood_metrics
-from .deploy import save_detector, load_detector, threshold_for_id_recall
+_PUBLIC = {"scores": ["BASE_SCORES", "as_unit_rows", "classify", "zero_shot_logits", "get_base_score"],
+           "bank": ["PrototypeBank"], "proto": ["proto_score"], "fusion": ["Welford", "adaptive_fusion", "fusion_weight", "fuse"],
+           "detector": ["Proton", "ProtonConfig", "ProtonParts"], "metrics": ["ood_metrics"],
+           "deploy": ["save_detector", "load_detector", "threshold_for_id_recall"]}
+_HOME = {name: module for module, names in _PUBLIC.items() for name in names}
+
+def __getattr__(name:str): # a public name, e.g. "Proton"
+    "Import a public name's module on its first use: `import proton` loads no torch, so `proton-ood` catches a Ctrl-C while torch loads."
+    if name not in _HOME: raise AttributeError(f"module 'proton' has no attribute {name!r}")
+    return getattr(import_module(f"proton.{_HOME[name]}"), name)
 
 def _version():
     "The installed distribution's version, or, in a source tree that was never installed (PYTHONPATH), settings.ini's."

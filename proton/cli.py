@@ -34,37 +34,57 @@ def _one_line(e:BaseException): # an exception
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return text if isinstance(e, (ValueError, OSError, ImportError)) and text else f"{type(e).__name__}: {text}".rstrip(": ")
 
-def main(argv:list|None=None): # command-line arguments; None reads sys.argv
-    "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
+def _mute_stdout():
+    "Point stdout at the null device, so that Python's own flush at exit finds somewhere to write (Python's recipe for SIGPIPE)."
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+def _flush_stdout():
+    "Flush stdout here, where `main` handles its errors, rather than in Python's flush at exit, which can only print them raw."
+    try: sys.stdout.flush()
+    except OSError as e:
+        _mute_stdout()
+        raise OSError(e.errno, f"cannot write to standard output: {e.strerror}") from None  # EPIPE stays a BrokenPipeError
+
+def _parser():
+    "The parser of `proton-ood` itself, which only prints help, the version or a usage error: a command's options are its own."
     from proton import __version__
     p = argparse.ArgumentParser(prog="proton-ood", description="Test-time OOD detection for medical VLMs.",
                                 epilog="Run `proton-ood COMMAND --help` for the options of a command.")
     p.add_argument("--version", action="version", version=f"proton-ood {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (give it before the command)")
     p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
+    return p
+
+def main(argv:list|None=None): # command-line arguments; None reads sys.argv
+    "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = argv[:1] == ["--debug"]
     argv = argv[debug:]
-    if not argv or argv[0] not in COMMANDS: p.parse_args(argv)  # prints help or version, or the usage error
-    command, rest = argv[0], argv[1:]  # the rest, `-h` included, belongs to the command
-    if command == "evaluate": from proton.bench.evaluation import evaluate_main as run
-    elif command == "extract": from proton.models.extract import extract_main as run
-    elif command == "score": from proton.models.score import score_main as run
-    elif command == "reproduce": from proton.models.reproduce import reproduce_main as run
-    else: run = info_main
+    command = argv[0] if argv and argv[0] in COMMANDS else None  # the rest, `-h` included, belongs to the command
+    name = f"proton-ood {command}" if command else "proton-ood"
     if not debug:  # a warning is one line naming the command, as an error is; --debug keeps Python's, with its source line
         shown = warnings.showwarning
-        warnings.showwarning = lambda message, *_, **__: print(f"proton-ood {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
-    try: return run(rest) or 0
+        warnings.showwarning = lambda message, *_, **__: print(f"{name}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    try:
+        try:
+            # every import in the try, torch's included (`import proton` loads none): a Ctrl-C while they load is one line too
+            if command is None: _parser().parse_args(argv)  # prints help or version, or the usage error, and exits
+            if command == "evaluate": from proton.bench.evaluation import evaluate_main as run
+            elif command == "extract": from proton.models.extract import extract_main as run
+            elif command == "score": from proton.models.score import score_main as run
+            elif command == "reproduce": from proton.models.reproduce import reproduce_main as run
+            else: run = info_main
+            return run(argv[1:]) or 0
+        finally: _flush_stdout()  # on every path, argparse's exit after --help included: buffered output meets a closed pipe here
     except KeyboardInterrupt:
-        print(f"proton-ood {command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of the output left, as `| head` does: what was done is done, and there is nothing to report
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's own flush at exit finds somewhere to write
+        _mute_stdout()
         return 141  # 128 + SIGPIPE, as a shell reports a command its pipe closed on
     except Exception as e:
         if debug: raise
-        print(f"proton-ood {command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{name}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     finally:
         if not debug: warnings.showwarning = shown

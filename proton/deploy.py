@@ -9,6 +9,7 @@ __all__ = ['MONITOR_FORMAT', 'replace_atomically', 'save_state', 'save_detector'
 
 # %% ../nbs/50_deploy.ipynb
 import contextlib
+import io
 import math
 import os
 import re
@@ -53,7 +54,9 @@ def replace_atomically(path, # destination; an existing file is replaced only on
 def save_state(state:dict, # tensors and plain values, e.g. `det.state_dict()`
                path): # destination file; replaced atomically
     "Write `state` with `torch.save` to `path` so that a crash mid-write leaves the previous file intact."
-    return replace_atomically(path, lambda f: torch.save(state, f))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # in memory first: torch reports a failed file write (a full disk) as 'unexpected pos', not the OSError
+    return replace_atomically(path, lambda f: f.write(buffer.getbuffer()))
 
 def save_detector(det:Proton, # the detector to save
                   path): # destination file; replaced atomically

@@ -113,16 +113,32 @@ def test_evaluate_follows_the_paper_protocol_and_records_it(tmp_path):
     assert set(df.fpr95_convention) == {"ju2025"} and "FPR95 (ju2025)" in r.stdout
 
 
-def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
-    "`proton-ood score ... | head -1`: the rows are committed; that `head` left early is no error to report."
+@pytest.mark.parametrize("unbuffered", ["1", None])  # a user's shell seldom sets PYTHONUNBUFFERED: stdout to a pipe is then block-buffered
+@pytest.mark.parametrize("args", [["info"], ["--help"], ["--version"], ["info", "--help"]])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path, args, unbuffered):
+    "`proton-ood info ... | head -1`: that `head` left early is no error to report, whether stdout is buffered or not."
     path = tmp_path / "c.npz"
     EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
     exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": unbuffered} if unbuffered else {})
     reader, writer = os.pipe()
     os.close(reader)  # the reader is gone before the command writes a line
-    r = subprocess.run([exe, "info", str(path)], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=600)
+    r = subprocess.run([exe, *args, *([str(path)] if args == ["info"] else [])], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=600, env=env)
     os.close(writer)
-    assert r.returncode == 141 and r.stderr == "", r.stderr
+    quiet = 0 if unbuffered and args != ["info"] else 141  # argparse's own print of help and version ignores a failed write
+    assert r.returncode == quiet and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("args", [["info"], ["--version"]])
+def test_a_full_stdout_is_one_line(tmp_path, args):
+    "`proton-ood info ... > /dev/full`: one line naming the output, not Python's 'Exception ignored' noise."
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([exe, *args, *([str(path)] if args == ["info"] else [])], stdout=full, stderr=subprocess.PIPE, text=True, timeout=600, env=env)
+    assert one_line_error(r) and "No space left on device" in r.stderr and "standard output" in r.stderr, r.stderr
 
 
 def test_all_skips_an_experiment_the_cache_cannot_run_and_runs_the_rest(tmp_path):
@@ -136,3 +152,40 @@ def test_all_skips_an_experiment_the_cache_cannot_run_and_runs_the_rest(tmp_path
     assert (tmp_path / "r_dynamics.csv").exists() and not (tmp_path / "r_triage.csv").exists()
     r = run("evaluate", str(path), "--out", str(tmp_path / "t.csv"), "--experiments", "triage", "--no-progress")  # triage takes no --permutations
     assert one_line_error(r) and "two OOD shifts" in r.stderr, r.stderr
+
+
+def test_a_reader_that_stops_reading_leaves_evaluate_results_and_protocol_in_step(tmp_path):
+    "The summary is printed after the CSV and its protocol are both written: a closed pipe at the print leaves them matching."
+    import json
+    import pandas as pd
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=60, n_per_shift=20).save(path)
+    out = tmp_path / "e.csv"
+    assert run("evaluate", str(path), "--permutations", "1", "--no-progress", "--fpr95", "mcm", "--out", str(out)).returncode == 0
+    reader, writer = os.pipe()
+    os.close(reader)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "evaluate", str(path), "--permutations", "1", "--no-progress", "--out", str(out)], stdout=writer,
+                       stderr=subprocess.PIPE, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))  # the print fails at once
+    os.close(writer)
+    assert r.returncode == 141, r.stderr
+    protocol = json.loads((tmp_path / "e_protocol.json").read_text())["main_table"]
+    assert set(pd.read_csv(out).fpr95_convention) == {protocol["fpr95_convention"]} == {"ju2025"}
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
+    "Ctrl-C in a command's first second, while it imports torch and the rest, ends it as Ctrl-C later does: one line, status 130."
+    import signal
+    import time
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    interrupted = 0
+    for delay in (0.4, 0.25, 0.6, 0.15):  # after Python's own start-up (a signal before it kills any Python program)
+        p = subprocess.Popen([exe, "info", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay); p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=600)
+        assert (p.returncode, err) in ((130, "proton-ood info: interrupted\n"), (0, "")), (delay, p.returncode, err)
+        interrupted += p.returncode == 130
+        if interrupted >= 2: break
+    assert interrupted >= 2

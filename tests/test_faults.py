@@ -338,3 +338,21 @@ def test_a_pytorch_ood_detector_moves_its_protons_state(device):
     assert ood.to(device) is ood and det.device.type == det.bank.entries.device.type == det.bank.counts.device.type == device
     torch.testing.assert_close(ood.predict_features(torch.tensor(E[40:100])).cpu(), twin.score(E[40:100]))
     assert torch.equal(det.bank.counts.cpu(), twin.bank.counts)
+
+
+def test_a_full_disk_while_saving_a_state_is_named_and_keeps_the_old_file(tmp_path, monkeypatch):
+    "A disk that fills mid-save is `No space left on device` (not torch's 'unexpected pos'), and the previous state stays whole."
+    import errno
+    import os
+    from proton import deploy
+    path = tmp_path / "state.pt"
+    deploy.save_state({"x": torch.zeros(10)}, path)
+    before = path.read_bytes()
+    class Full(io.FileIO):  # a disk with room for 100 more bytes
+        def write(self, b):
+            if self.tell() + memoryview(b).nbytes > 100: raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(b)
+    monkeypatch.setattr(deploy, "open", lambda p, mode: Full(p, mode.replace("b", "")), raising=False)
+    with pytest.raises(OSError, match="No space left on device") as e: deploy.save_state({"x": torch.ones(1000)}, path)
+    assert e.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["state.pt"]

@@ -491,17 +491,18 @@ def _write_csv(df, path:Path): # a table; its file
     replace_atomically(path, lambda f: df.to_csv(f, index=False))
 
 def _write(name:str, result, out:Path, simulated:str, permutations:int):
-    "Write one experiment's result next to `out` and print its summary, headed by `simulated` (' (simulated)', or which caches are, or '')."
+    "Write one experiment's result next to `out` and return its summary, headed by `simulated` (' (simulated)', or which caches are, or '')."
     label = f"\n{name}{simulated}: "
     if EXPERIMENTS[name].returns == "tables":
+        text = []
         for table, path in _paths(name, out).items():
-            df = getattr(result, table); _write_csv(df, path); print(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
-        return
+            df = getattr(result, table); _write_csv(df, path); text.append(f"{label}{table}, first rows\n{df.head(5).to_string()}\nwrote {path}")
+        return "\n".join(text)
     path = _paths(name, out)[None]
     _write_csv(result, path)
-    if EXPERIMENTS[name].returns == "rows": print(f"{label}first rows\n{result.head(10).to_string()}")
-    else: print(f"{label}mean ± std over {permutations} stream order{'s' if permutations > 1 else ''}, %\n{summary_table(summarize(result)).to_string()}")
-    print(f"wrote {path}")
+    if EXPERIMENTS[name].returns == "rows": text = f"{label}first rows\n{result.head(10).to_string()}"
+    else: text = f"{label}mean ± std over {permutations} stream order{'s' if permutations > 1 else ''}, %\n{summary_table(summarize(result)).to_string()}"
+    return f"{text}\nwrote {path}"
 
 def _check_distinct(keyed:list, what:str): # (cache path, its resolved path or content hash) pairs; what the key is
     "Raise if two caches share a key: a cache given twice would count its rows twice and fake a spread."
@@ -567,9 +568,10 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
             if args.experiments.strip() != "all": raise
             warnings.warn(f"skipped {name}: {e}", SkippedWarning); continue
         if result is None: warnings.warn(f"skipped {name}: it sweeps synthetic worlds, so it runs only without cache files", SkippedWarning); continue
-        _write(name, result, out, simulated, args.permutations)
+        summary = _write(name, result, out, simulated, args.permutations)
         # the protocol file follows the results it describes, never precedes them: a failed run leaves the old pair
         described[name] = asdict(args.protocol) | dict(ignored=ignored[name], caches=used)
         text = json.dumps(described, indent=2) + "\n"
         replace_atomically(protocol_file, lambda f: f.write(text.encode()))
+        print(summary)  # only once both files are written: a reader that leaves at the print leaves them a pair
     return 0

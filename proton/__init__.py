@@ -22,6 +22,8 @@ def __getattr__(name:str): # a public name, e.g. "Proton"
     if name not in _HOME: raise AttributeError(f"module 'proton' has no attribute {name!r}")
     return getattr(import_module(f"proton.{_HOME[name]}"), name)
 
+def __dir__(): return sorted([*globals(), *_HOME])  # the public names too, loaded or not, for completion and help()
+
 def _version():
     "The installed distribution's version, or, in a source tree that was never installed (PYTHONPATH), settings.ini's."
     try: return version("proton-ood")

@@ -578,7 +578,7 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
     cuda, encoder, shape = vlm.device.type == "cuda", _at_precision(vlm, amp), (3, *vlm.image_size)
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
     pre = _Preprocess(vlm)
-    args = (folder.root, folder.files, pre, shape, strict, pre.pixels)
+    args = (folder.root, folder.files, pre, shape, False, pre.pixels)  # strict is checked here: a worker's error would come wrapped in its traceback
     files = ImageFiles(*args) if on_device is None else JpegBytes(*args, worker_share=worker_share)
     loader = torch.utils.data.DataLoader(files, batch_sampler=batches, num_workers=num_workers, pin_memory=cuda,
                                          collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
@@ -601,6 +601,9 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
                     compute.wait_event(there)
                     x.record_stream(compute)  # its memory is not reused before the model is done with it
                 errors += failed
+                if strict and any(failed):
+                    j = next(j for j, e in enumerate(errors) if e)
+                    raise ValueError(f"cannot read image {_named(folder.root / folder.files[a + j], errors[j])}")
                 glob.append(encoder.encode_images(x, batch_size=len(x)))
                 if local: patches.append(encoder.encode_local(x, batch_size=len(x)))
                 bar.update(len(x))

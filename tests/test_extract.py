@@ -5,6 +5,7 @@ layout, decoded by DataLoader workers and encoded by an open_clip ViT-S/32 with 
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -695,7 +696,7 @@ def test_a_folder_whose_test_images_are_all_unreadable_is_named(tmp_path):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         if content is None: Image.new("RGB", (8, 8)).save(root / rel)
         else: (root / rel).write_bytes(content)
-    with pytest.raises(ValueError, match=r"none of the 2 test images of .* could be read, e.g. id/"):
+    with pytest.raises(ValueError, match=r"none of the 2 test images of .* could be read, e.g. .*/id/"):
         extract(load_vlm(MODEL), root, **RUN)
 
 
@@ -794,3 +795,32 @@ def test_an_out_in_a_folder_input_gets_the_same_answer_on_a_rerun(tmp_path, monk
         Path(out).write_bytes(Path(out).read_bytes() if Path(out).exists() else b"a cache from the first run")
     assert answers[0] == answers[1], answers
     assert answers[0] == "proton-ood extract: error: checked\n" if refused is None else refused in answers[0], answers[0]
+
+
+def test_the_command_prints_each_warning_as_one_line_but_the_skipped_images_in_the_summary(tmp_path, capsys):
+    "extract_main ignored every warning, the documented 'recomputing shard k' among them, because its summary names the skipped images."
+    root = make_prepared(tmp_path / "d", split=False)
+    (root / "far/tench/chelsea.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a real jpeg")
+    args = ["--model", MODEL, "--data", str(root), "--out", str(tmp_path / "c.npz"), "--batch-size", "2", "--shard-size", "2", "--workers", "0",
+            "--no-progress", "--keep-shards"]
+    assert extract_main(args) == 0
+    assert capsys.readouterr().err == ""
+    damaged = shard_path(Path(f"{tmp_path / 'c.npz'}.shards"), 2)
+    damaged.write_bytes(damaged.read_bytes()[:-300])
+    assert extract_main(args) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("proton-ood extract: warning: recomputing shard 2: ") and err.count("\n") == 1, err
+    assert "skipped 1 unreadable images" in out, out
+
+
+def test_strict_with_dataloader_workers_is_a_one_line_error(tmp_path):
+    "The strict error was raised in a worker: the DataLoader re-raised it with the worker's traceback in its text."
+    root = make_prepared(tmp_path / "d", split=False)
+    moon = root / "id/normal/moon.png"
+    moon.write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "extract", "--model", MODEL, "--data", str(root), "--out", str(tmp_path / "c.npz"), "--batch-size", "2",
+                        "--workers", "2", "--strict", "--no-progress"], capture_output=True, text=True, timeout=600)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("proton-ood extract: error: cannot read image") and lines[0].count(str(moon)) == 1, r.stderr

@@ -961,3 +961,28 @@ def test_a_stream_begun_before_the_weights_sha256_was_recorded_continues_and_rec
     (tmp_path / "model.pt").write_bytes(b"weights of day 2")
     photo_folder(tmp_path / "in", n=8, broken=())
     with pytest.raises(ValueError, match=r"other settings \(checkpoint_sha256\)"): run_images(folder, out, random_vlm, checkpoint=tmp_path / "model.pt")
+
+
+def test_a_run_that_stops_with_an_error_still_prints_its_warnings_first(tmp_path):
+    "One class, then --strict meets an unreadable 5th image: the one-class warning came before the committed rows, and was lost."
+    folder = photo_folder(tmp_path / "in", n=6, broken=(4,))
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a", "--strict",
+                   "--no-progress", "--workers", "1", "--chunk-size", "2")
+    lines = r.stderr.splitlines()
+    assert r.returncode == 1 and len(lines) == 2 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("proton-ood score: warning: one class: ") and lines[1].startswith("proton-ood score: error: cannot read image"), r.stderr
+    assert len((tmp_path / "r.csv").read_text().splitlines()) == 5  # the header and 4 committed rows
+
+
+def test_a_reader_that_left_gets_the_audit_written_and_the_warnings_shown(tmp_path):
+    "`proton-ood score ... --audit a.csv | true`: the requested file is written and the warnings are on stderr, whatever became of stdout."
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before the command writes a line
+    r = subprocess.run([exe, "score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a",
+                        "--no-progress", "--audit", str(tmp_path / "a.csv")], stdout=writer, stderr=subprocess.PIPE, text=True,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=600)
+    os.close(writer)
+    assert r.returncode == 141 and (tmp_path / "a.csv").exists(), r.stderr
+    assert r.stderr.startswith("proton-ood score: warning: one class: ") and r.stderr.count("\n") == 1, r.stderr

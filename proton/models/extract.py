@@ -8,8 +8,8 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'PIL
            'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg', 'pil_weights', 'DevicePreprocess', 'decode_jpegs',
            'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
            'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
-           'weights_sha256', 'images_fingerprint', 'default_workers', 'check_extract', 'extract', 'parse_prompts',
-           'extract_main']
+           'weights_sha256', 'images_fingerprint', 'default_workers', 'check_extract', 'extract',
+           'SkippedImagesWarning', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -578,7 +578,7 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
     cuda, encoder, shape = vlm.device.type == "cuda", _at_precision(vlm, amp), (3, *vlm.image_size)
     batches = [list(range(i, min(b, i + batch_size))) for a, b in (ranges[k] for k in todo) for i in range(a, b, batch_size)]
     pre = _Preprocess(vlm)
-    args = (folder.root, folder.files, pre, shape, strict, pre.pixels)
+    args = (folder.root, folder.files, pre, shape, False, pre.pixels)  # strict is checked here: a worker's error would come wrapped in its traceback
     files = ImageFiles(*args) if on_device is None else JpegBytes(*args, worker_share=worker_share)
     loader = torch.utils.data.DataLoader(files, batch_sampler=batches, num_workers=num_workers, pin_memory=cuda,
                                          collate_fn=collate_images if on_device is None else collate_jpeg_bytes)
@@ -601,6 +601,9 @@ def _embed_shards(vlm:VLM, folder:PreparedFolder, ranges:list, todo:list, shards
                     compute.wait_event(there)
                     x.record_stream(compute)  # its memory is not reused before the model is done with it
                 errors += failed
+                if strict and any(failed):
+                    j = next(j for j, e in enumerate(errors) if e)
+                    raise ValueError(f"cannot read image {_named(folder.root / folder.files[a + j], errors[j])}")
                 glob.append(encoder.encode_images(x, batch_size=len(x)))
                 if local: patches.append(encoder.encode_local(x, batch_size=len(x)))
                 bar.update(len(x))
@@ -794,12 +797,12 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         errors = np.concatenate([p["errors"] for p in parts])
         skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
         if skipped and strict: raise ValueError(f"cannot read image {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}")
-        if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {skipped[0]['file']}: {skipped[0]['error']}")
+        if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}")
         fit = np.array(folder.shift) == "fit"
         keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
         if not keep.any():
             bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
-            raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {bad['file']}: {bad['error']}")
+            raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {_named(folder.root / bad['file'], bad['error'])}")
         metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
         metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
                          worker_share=None if on_device is None else float(share))
@@ -811,7 +814,8 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
                                source=list(np.array(folder.files)[keep]), metadata=metadata, **prompt_fields,
                                **(dict(fit_embeddings=E[keep_fit], fit_labels=folder.labels[keep_fit]) if keep_fit.any() else {}))
         if skipped: warnings.warn(f"{len(skipped)} of {len(folder)} images could not be read and were left out of the cache; "
-                                  f"its metadata lists them under skipped_files (first: {skipped[0]['file']}: {skipped[0]['error']})", stacklevel=2)
+                                  f"its metadata lists them under skipped_files (first: {_named(folder.root / skipped[0]['file'], skipped[0]['error'])})",
+                                  SkippedImagesWarning, stacklevel=2)
         if out is not None:
             if rank == 0:
                 cache.save(out)
@@ -820,6 +824,9 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     return cache
 
 # %% ../../nbs/43_extract.ipynb
+class SkippedImagesWarning(UserWarning):
+    "Some images could not be read: they were left out of the cache, and its metadata lists them under skipped_files."
+
 def _parser():
     p = argparse.ArgumentParser(prog="proton-ood extract", description="Encode a prepared image folder with a VLM into an embedding cache.")
     p.add_argument("--model", required=True, help="flair, unimed-clip, quiltnet, or open_clip:<arch>/<pretrained> (pretrained 'none': random weights)")
@@ -879,12 +886,15 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
                       spec_weights(args.model, args.checkpoint), args.tokenizer, args.model)
         device = _join_torchrun(str(model_device(args.device)))
         vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the summary line below says it
-            cache = extract(vlm, args.data, prompts, prompt_sets=False if args.no_prompt_sets else args.prompt_sets, out=args.out, batch_size=args.batch_size, num_workers=args.workers,
-                            shard_size=args.shard_size, resume=not args.no_resume, local=args.local, amp=args.amp, decode_on_device=args.decode_on_device, worker_share=args.worker_share,
-                            checkpoint=args.checkpoint,
-                            keep_shards=args.keep_shards, strict=args.strict, progress=not args.no_progress)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("ignore", SkippedImagesWarning)  # the summary line below says it
+            try:
+                cache = extract(vlm, args.data, prompts, prompt_sets=False if args.no_prompt_sets else args.prompt_sets, out=args.out, batch_size=args.batch_size, num_workers=args.workers,
+                                shard_size=args.shard_size, resume=not args.no_resume, local=args.local, amp=args.amp, decode_on_device=args.decode_on_device, worker_share=args.worker_share,
+                                checkpoint=args.checkpoint,
+                                keep_shards=args.keep_shards, strict=args.strict, progress=not args.no_progress)
+            finally:  # any other warning is one line on stderr, before the summary or the error's line
+                for w in caught: _say(f"proton-ood extract: warning: {w.message}", sys.stderr)
     except torch.cuda.OutOfMemoryError:
         print(f"proton-ood extract: error: the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
               "with a smaller one: the finished shards are reused", file=sys.stderr)

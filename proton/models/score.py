@@ -524,16 +524,20 @@ def score_main(argv:list|None=None): # the arguments after `score`; None: sys.ar
     if args.audit:  # before any image is scored
         check_audit_path(args.audit, args.out, keep={"the stream's source": args.source, "the reference scores": args.reference,
                                                      "the prompt file": args.prompts, "the model's weights": args.checkpoint})
-    with warnings.catch_warnings(record=True) as caught, _smaller_batch_on_oom(args.batch_size):
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnreadableImagesWarning)
-        new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
-                                  args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,
-                                  chunk_size=args.chunk_size, batch_size=args.batch_size, workers=args.workers, strict=args.strict, progress=not args.no_progress)
-    entries = len(write_audit(args.out, args.audit)) if args.audit else None  # every file is written before a line is printed
+        try:
+            with _smaller_batch_on_oom(args.batch_size):
+                new, total = score_stream(args.source, args.out, args.model, args.classes, args.prompts, args.order, config, args.warmup, args.id_recall,
+                                          args.reference, args.drift_k, args.drift_h, checkpoint=args.checkpoint, tokenizer=args.tokenizer, device=args.device,
+                                          chunk_size=args.chunk_size, batch_size=args.batch_size, workers=args.workers, strict=args.strict, progress=not args.no_progress)
+            entries = len(write_audit(args.out, args.audit)) if args.audit else None  # every file is written before a line is printed
+        finally:  # a warning is one line on stderr, before the summary or the error's line: neither an error nor a reader that left loses it
+            for w in caught:
+                if not issubclass(w.category, UnreadableImagesWarning): _say(f"proton-ood score: warning: {w.message}", sys.stderr)
     _say(f"scored {new} new image{'s' * (new != 1)}; {args.out} holds {total}")
     _say(f"  {stream_status(args.out)}")
-    for w in caught:  # the unreadable images' line goes with the summary; any other warning is one line on stderr
+    for w in caught:  # the unreadable images' line goes with the summary
         if issubclass(w.category, UnreadableImagesWarning): _say(f"  {w.message}")
-        else: _say(f"proton-ood score: warning: {w.message}", sys.stderr)
     if args.audit: _say(f"wrote {args.audit}: {entries} bank entries")
     return 0

@@ -203,3 +203,17 @@ def test_a_cache_extracted_from_other_images_under_the_same_names_is_refused(tmp
     variant(skdata.retina, 1, side=40).save(again)  # the same image at another size
     with pytest.raises(ValueError, match=r"ophthalmology_open_clip-ViT-S-32-none.npz was extracted from other images than .*ophthalmology holds now"):
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
+def test_extraction_inside_reproduce_keeps_its_warnings_but_the_skipped_images(tmp_path):
+    "domain_cache ignored every warning of extract, 'recomputing shard k' among them; only the skipped images are said elsewhere (the report)."
+    from proton.models import load_vlm
+    from proton.models.extract import extract
+    from proton.models.reproduce import _cache_file, domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    path = _cache_file("ophthalmology", caches, MODEL)
+    extract(load_vlm(MODEL), data, out=path, shard_size=2, keep_shards=True, num_workers=0, progress=False)
+    path.unlink()  # the shards of another run (another shard size) stay, as a killed run with other settings leaves them
+    with pytest.warns(UserWarning, match=r"recomputing shard 0: .* belongs to another run"):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)

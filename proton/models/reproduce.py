@@ -28,7 +28,7 @@ from ..bench.experiments.dynamics import dynamics, trajectories
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
-from .extract import extract, file_sha256, images_fingerprint
+from .extract import SkippedImagesWarning, extract, file_sha256, images_fingerprint
 from .vlm import spec_weights
 
 # %% ../../nbs/45_reproduce.ipynb
@@ -95,7 +95,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
     options = {"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}
     vlm = load_vlm(model, checkpoint, device=model_device(device), tokenizer=tokenizer, **options)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # unreadable images are listed in the cache's metadata, and in the report
+        warnings.simplefilter("ignore", SkippedImagesWarning)  # unreadable images are listed in the cache's metadata, and in the report
         cache = extract(vlm, data, out=path, amp=amp, local=vlm.has_local, checkpoint=checkpoint, progress=progress)
     return path, cache
 

@@ -62,6 +62,8 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     argv = argv[debug:]
     command = argv[0] if argv and argv[0] in COMMANDS else None  # the rest, `-h` included, belongs to the command
     name = f"proton-ood {command}" if command else "proton-ood"
+    for stream in (sys.stdout, sys.stderr):  # a name in another encoding is printed escaped, never an error once the work is done
+        if hasattr(stream, "reconfigure"): stream.reconfigure(errors="backslashreplace")
     if not debug:  # a warning is one line naming the command, as an error is; --debug keeps Python's, with its source line
         shown = warnings.showwarning
         warnings.showwarning = lambda message, *_, **__: print(f"{name}: warning: {' '.join(str(message).split())}", file=sys.stderr)

@@ -189,3 +189,15 @@ def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
         interrupted += p.returncode == 130
         if interrupted >= 2: break
     assert interrupted >= 2
+
+
+def test_a_path_that_is_not_utf8_is_printed_escaped_by_every_command(tmp_path):
+    "evaluate wrote its files into a folder named in another encoding, then failed printing that name under a strict UTF-8 stdout: exit 1."
+    cache = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=60, n_per_shift=30).save(cache)
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")); odd.mkdir()
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "evaluate", str(cache), "--out", str(odd / "e.csv"), "--permutations", "1", "--no-progress"],
+                       capture_output=True, env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=600)
+    assert r.returncode == 0, r.stderr.decode(errors="backslashreplace")
+    assert b"caf\\udce9" in r.stdout, r.stdout

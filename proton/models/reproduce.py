@@ -38,7 +38,7 @@ class Domain(NamedTuple):
     label:str # how the paper's tables write it
 
 _LABELS = {"ophthalmology": "Ophth. (FLAIR)", "radiology": "Radio. (UniMedCLIP)", "pathology": "Patho. (QuiltNet)"}
-DOMAINS = {d: Domain(DOMAIN_MODELS[d].lower(), label) for d, label in _LABELS.items()}  # prepared folder name -> domain; the models of chapter 29
+DOMAINS = {d: Domain(DOMAIN_MODELS[d].lower(), label) for d, label in _LABELS.items()}  # prepared folder name -> domain; the models of the cross-domain chapter
 MAIN_DOMAIN = "ophthalmology"  # the paper's Tables 1, 3, 4 and 2(a) are on FLAIR + FIVES
 SHIFT_ORDER = ("semantic", "covariate", "far")
 

@@ -201,3 +201,17 @@ def test_a_path_that_is_not_utf8_is_printed_escaped_by_every_command(tmp_path):
                        capture_output=True, env=dict(os.environ, PYTHONIOENCODING="utf-8"), timeout=600)
     assert r.returncode == 0, r.stderr.decode(errors="backslashreplace")
     assert b"caf\\udce9" in r.stdout, r.stdout
+
+
+def test_figure1_on_a_cache_of_identical_embeddings_warns_and_writes_its_tables(tmp_path):
+    "t-SNE of images that do not differ crashed the process (SIGSEGV in sklearn): the map puts them at one point, with a warning, and every table is written."
+    import numpy as np
+    T = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
+    shift = np.array(["id"] * 60 + ["semantic"] * 20 + ["covariate"] * 20 + ["far"] * 20)
+    EmbeddingCache(image_embeddings=np.tile(T[0] + 0.1, (120, 1)), text_embeddings=T, class_names=["a", "b", "c"], labels=np.where(shift == "id", 0, -1),
+                   shift=shift, temperature=0.01, metadata=dict(model="m")).save(tmp_path / "same.npz")
+    r = run("evaluate", str(tmp_path / "same.npz"), "--out", str(tmp_path / "r.csv"), "--experiments", "figure1", "--no-progress")
+    assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert "the mapped images all have the same embedding" in r.stderr
+    tsne = next(tmp_path.glob("r*tsne*.csv"))
+    assert set(np.loadtxt(tsne, delimiter=",", skiprows=1, usecols=(0, 1)).ravel()) == {0.0}

@@ -62,8 +62,13 @@ def _tsne_map(cache:EmbeddingCache, shift:str, n:int, perplexity:float, seed:int
     if not (cache.shift == shift).any(): warnings.warn(f"the cache has no {shift!r} images: the t-SNE map holds the ID images only", SkippedWarning)
     rows = np.sort(np.random.default_rng(seed).choice(rows, min(n, len(rows)), replace=False))
     if len(rows) <= perplexity: raise ValueError(f"t-SNE needs more than perplexity={perplexity} images, got {len(rows)}")
-    with threadpool_limits(1):  # one thread: the map does not depend on the machine's core count, and no threads spin on a busy CPU
-        xy = TSNE(2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(cache.image_embeddings[rows].astype(np.float64))
+    X = cache.image_embeddings[rows].astype(np.float64)
+    if np.ptp(X, axis=0).max() == 0:  # t-SNE divides by their spread, and sklearn crashes on what follows
+        warnings.warn(f"the mapped images all have the same embedding: the t-SNE map puts its {len(rows)} images at one point", SkippedWarning)
+        xy = np.zeros((len(rows), 2))
+    else:
+        with threadpool_limits(1):  # one thread: the map does not depend on the machine's core count, and no threads spin on a busy CPU
+            xy = TSNE(2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(X)
     names = np.asarray(cache.class_names)
     return import_pandas().DataFrame(dict(x=xy[:, 0], y=xy[:, 1], kind=cache.shift[rows], predicted=names[cache.predicted()[rows]]))
 

@@ -234,10 +234,15 @@ def _images_on_disk(root:Path):
 
 @contextlib.contextmanager
 def open_csv(path:str|os.PathLike): # a CSV file
-    "`path` open for `csv` as UTF-8 text, a byte order mark skipped (Excel's 'CSV UTF-8' begins with one); text that is not UTF-8 is a `ValueError` naming the file."
+    "`path`'s lines for `csv`, read as UTF-8 text, a byte order mark skipped (Excel's 'CSV UTF-8' begins with one); text that is not UTF-8, or that `csv` cannot read, is a `ValueError` naming the file."
+    read = 0  # lines read so far: where `csv` stopped
+    def lines(f):
+        nonlocal read
+        for read, line in enumerate(f, 1): yield line
     with open(path, newline="", encoding="utf-8-sig") as f:
-        try: yield f
+        try: yield lines(f)
         except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+        except csv.Error as e: raise ValueError(f"{path}, line {read}: not readable as CSV ({e}); is a quote left open above it?") from None
 
 def _read_split(root:Path, on_disk:list):
     "file -> source from `root`/split.csv after checking it against the files on disk; None when there is no split.csv."

@@ -12,6 +12,7 @@ from PIL import Image
 from proton.bench.prepared import SPLIT_FILE, image_path, open_csv, read_prepared, write_classes_file
 
 OPEN_QUOTE = "file,shift,label,source\n\"id/a/1.png,id,a,s\n" + "".join(f"id/a/{i}.png,id,a,s\n" for i in range(8000))  # a quote never closed: one field of > 128 KiB
+SHORT_ROW = "shift,label,file,source\nid,a\nid,b,id/b/2.png,s\n"  # row 2 has no file
 
 
 def prepared(tmp_path, split_text):
@@ -34,7 +35,17 @@ def test_unreadable_csv_names_the_file_and_line(tmp_path):
         with open_csv(root / SPLIT_FILE) as f: list(csv.reader(f))  # as the data scripts read their split files
 
 
-@pytest.mark.parametrize("text", [OPEN_QUOTE], ids=["open_quote"])
+def test_short_split_row_names_the_file_line_and_field(tmp_path):
+    "A row without a file gave a raw TypeError from Path(None)."
+    root = prepared(tmp_path, SHORT_ROW)
+    with pytest.raises(ValueError, match=re.escape(f"{root / SPLIT_FILE}, line 2: no file")):
+        read_prepared(root)
+    (root / SPLIT_FILE).write_text("file,shift,label,source\nid/a/1.png,id,,s\nid/b/2.png,id,b,s\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(f"{root / SPLIT_FILE}, line 2: no label")):
+        read_prepared(root)
+
+
+@pytest.mark.parametrize("text", [OPEN_QUOTE, SHORT_ROW], ids=["open_quote", "short_row"])
 def test_extract_refuses_a_bad_split_in_one_line(tmp_path, text):
     root = prepared(tmp_path, text)
     exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")

@@ -252,7 +252,11 @@ def _read_split(root:Path, on_disk:list):
         reader = csv.DictReader(f)
         missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
         if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
-        rows = list(reader)
+        rows = []
+        for r in reader:
+            empty = [c for c in ("file", "shift", "label") if not r[c]]  # None: the row has too few fields
+            if empty: raise ValueError(f"{path}, line {reader.line_num}: no {', '.join(empty)}; every row needs a file, shift and label")
+            rows.append(r)
     for r in rows:
         if tuple(Path(r["file"]).parts[:2]) != (r["shift"], r["label"]) or len(Path(r["file"]).parts) != 3:
             raise ValueError(f"{path}: row {r['file']!r} says shift {r['shift']!r} and label {r['label']!r}, but the file is not in {r['shift']}/{r['label']}/")

@@ -1,5 +1,6 @@
 """A prepared folder's files that cannot be read, or hold a bad row, are refused in one line naming the file and line; what the writers write reads back under any locale."""
 import csv
+import os
 import re
 import shutil
 import subprocess
@@ -54,3 +55,17 @@ def test_extract_refuses_a_bad_split_in_one_line(tmp_path, text):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"{root / SPLIT_FILE}, line " in lines[0], r.stderr
+
+
+def test_writers_write_utf8_under_an_ascii_locale(tmp_path):
+    "prompt_sets.json and classes.json were written in the locale's encoding (here ASCII: UnicodeEncodeError), though read as UTF-8."
+    code = ("import sys; from pathlib import Path; from proton.bench.prepared import *; root = Path(sys.argv[1]); "
+            "write_classes_file(root, ['a', 'b'], ['a', 'b'], {'a': ['a \\u2013 1'], 'b': ['b']}); "
+            "write_prompt_sets(root, {'L1': {'a': ['drusen \\u2013 early AMD'], 'b': ['caf\\u00e9']}})")
+    root = prepared(tmp_path, "file,shift,label,source\nid/a/1.png,id,a,s\nid/b/2.png,id,b,s\n")
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C", "PYTHONIOENCODING": "utf-8"}
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    folder = read_prepared(root)
+    assert folder.prompt_sets["L1"] == {"a": ["drusen \u2013 early AMD"], "b": ["caf\u00e9"]}
+    assert folder.prompts["a"] == ["a \u2013 1"]

@@ -132,13 +132,13 @@ def write_classes_file(root:str|os.PathLike, # the prepared folder
                        **extra): # further fields: benchmark name, counts, seed, ...
     "Write classes.json, the description that fixes the class order."
     info = dict(classes=list(classes), class_names=list(class_names), prompts=prompts, **extra)
-    (Path(root) / CLASSES_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (Path(root) / CLASSES_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info
 
 def write_prompt_sets(root:str|os.PathLike, # the prepared folder
                       sets:dict): # set name -> class folder -> list of prompts
     "Write prompt_sets.json, named sets of class prompts besides those of classes.json."
-    (Path(root) / PROMPT_SETS_FILE).write_text(json.dumps(sets, indent=2, ensure_ascii=False) + "\n")
+    (Path(root) / PROMPT_SETS_FILE).write_text(json.dumps(sets, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return sets
 
 # %% ../../nbs/44_data.ipynb

@@ -132,13 +132,13 @@ def write_classes_file(root:str|os.PathLike, # the prepared folder
                        **extra): # further fields: benchmark name, counts, seed, ...
     "Write classes.json, the description that fixes the class order."
     info = dict(classes=list(classes), class_names=list(class_names), prompts=prompts, **extra)
-    (Path(root) / CLASSES_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (Path(root) / CLASSES_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info
 
 def write_prompt_sets(root:str|os.PathLike, # the prepared folder
                       sets:dict): # set name -> class folder -> list of prompts
     "Write prompt_sets.json, named sets of class prompts besides those of classes.json."
-    (Path(root) / PROMPT_SETS_FILE).write_text(json.dumps(sets, indent=2, ensure_ascii=False) + "\n")
+    (Path(root) / PROMPT_SETS_FILE).write_text(json.dumps(sets, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return sets
 
 # %% ../../nbs/44_data.ipynb
@@ -234,10 +234,15 @@ def _images_on_disk(root:Path):
 
 @contextlib.contextmanager
 def open_csv(path:str|os.PathLike): # a CSV file
-    "`path` open for `csv` as UTF-8 text, a byte order mark skipped (Excel's 'CSV UTF-8' begins with one); text that is not UTF-8 is a `ValueError` naming the file."
+    "`path`'s lines for `csv`, read as UTF-8 text, a byte order mark skipped (Excel's 'CSV UTF-8' begins with one); text that is not UTF-8, or that `csv` cannot read, is a `ValueError` naming the file."
+    read = 0  # lines read so far: where `csv` stopped
+    def lines(f):
+        nonlocal read
+        for read, line in enumerate(f, 1): yield line
     with open(path, newline="", encoding="utf-8-sig") as f:
-        try: yield f
+        try: yield lines(f)
         except UnicodeDecodeError as e: raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+        except csv.Error as e: raise ValueError(f"{path}, line {read}: not readable as CSV ({e}); is a quote left open above it?") from None
 
 def _read_split(root:Path, on_disk:list):
     "file -> source from `root`/split.csv after checking it against the files on disk; None when there is no split.csv."
@@ -247,7 +252,11 @@ def _read_split(root:Path, on_disk:list):
         reader = csv.DictReader(f)
         missing_columns = {"file", "shift", "label"} - set(reader.fieldnames or ())
         if missing_columns: raise ValueError(f"{path} lacks the columns {sorted(missing_columns)}; expected file, shift, label, source")
-        rows = list(reader)
+        rows = []
+        for r in reader:
+            empty = [c for c in ("file", "shift", "label") if not r[c]]  # None: the row has too few fields
+            if empty: raise ValueError(f"{path}, line {reader.line_num}: no {', '.join(empty)}; every row needs a file, shift and label")
+            rows.append(r)
     for r in rows:
         if tuple(Path(r["file"]).parts[:2]) != (r["shift"], r["label"]) or len(Path(r["file"]).parts) != 3:
             raise ValueError(f"{path}: row {r['file']!r} says shift {r['shift']!r} and label {r['label']!r}, but the file is not in {r['shift']}/{r['label']}/")

@@ -212,15 +212,17 @@ def check_counts(limit: int | None, resize: int | None) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}")
 
 
-def check_raw(raw: Path, # the download folder
-              out: Path, # the prepared folder
-              ) -> None:
-    """Refuse a ``--raw`` that is ``--out``, or inside it or the folders beside it that a run builds it in and clears."""
-    raw, out = raw.resolve(), out.resolve()
+def check_outside(option: str, # the option, e.g. "--raw"
+                  path: Path, # its value
+                  out: Path, # the prepared folder
+                  what: str, # what must stay outside, for the message, e.g. "downloads"
+                  ) -> None:
+    """Refuse a path that is ``--out``, or inside it or the folders beside it that a run builds it in and clears."""
+    path, out = path.resolve(), out.resolve()
     for place in (out, *_places(out)[:2]):  # beside out, or inside it when it is a mount point
-        if raw == place or place in raw.parents:
-            where = "also --out" if raw == out else f"inside --out {out}" if place == out else f"inside {place}, where --out {out} is built"
-            raise ValueError(f"--raw {raw} is {where}; keep downloads in a folder outside it")
+        if path == place or place in path.parents:
+            where = "also --out" if path == out else f"inside --out {out}" if place == out else f"inside {place}, where --out {out} is built"
+            raise ValueError(f"{option} {path} is {where}; keep {what} in a folder outside it")
 
 
 def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, seed: int,
@@ -283,7 +285,8 @@ def run(bench: Benchmark, # the benchmark to prepare
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
     check_counts(args.limit, args.resize)
-    check_raw(raw, args.out)
+    check_outside("--raw", raw, args.out, "downloads")
+    check_outside("--split", args.split, args.out, "the split file")  # the rows a first run samples would go with the old --out
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     with lock_folder(args.out):  # held from the first download to the last write: a second run on --out stops at once

@@ -1211,6 +1211,19 @@ def test_a_raw_inside_out_is_refused_before_any_download(tmp_path, monkeypatch, 
     assert list(tmp_path.iterdir()) == [], "nothing was written"
 
 
+@pytest.mark.parametrize("split,message", [("out/s.csv", "--split {out}/s.csv is inside --out {out}"),
+                                           (".out.old/s.csv", "--split {tmp}/.out.old/s.csv is inside {tmp}/.out.old, where --out {out} is built")])
+def test_a_split_inside_out_is_refused_before_any_download(tmp_path, monkeypatch, capsys, split, message):
+    "The rows a first run samples would be written into --out, then deleted with the folder the new one replaces."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before --split was checked"))
+    for dry in ([], ["--dry-run"]):
+        assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"),
+                                                    "--split", str(tmp_path / split), *dry]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {message.format(out=tmp_path / 'out', tmp=tmp_path)}; keep the split file in a folder outside it\n"
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
 def test_an_out_inside_raw_is_accepted(tmp_path, capsys):
     "The prepared folder may live in the download folder: a run replaces only --out and what it builds beside it."
     assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "raw/out"), "--raw", str(tmp_path / "raw"), "--dry-run"]) == 0

@@ -23,7 +23,7 @@ import numpy as np
 from proton.bench.prepared import MARKER_FILE, check_claimable, claim_folder, read_prepared
 from proton.deploy import hold_lock
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from PIL import Image
 
 DATA_SCRIPTS = Path(__file__).parents[1] / "data_scripts"
@@ -305,6 +305,18 @@ def test_a_split_file_keeps_its_rows_when_a_write_fails(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left on device"):
         splits.write_split(split, rows + [splits.Row("v", "id", "b", "img/b_0.png")])
     assert split.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["s.csv"]
+
+
+SPLIT_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)  # any text a file name or label may hold
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(st.tuples(st.sampled_from(["id", "far", "fit"]), SPLIT_TEXT, SPLIT_TEXT), min_size=1, max_size=6))
+@example(items=[("id", "a", "img/a\r2.png")])  # a lone carriage return ends a line for the reader: written unquoted, it split the row
+def test_a_split_file_reads_back_the_rows_written(tmp_path, items):
+    rows = [splits.Row("v", shift, label, key) for shift, label, key in items]
+    splits.write_split(tmp_path / "s.csv", rows)
+    assert sorted(splits.read_split(tmp_path / "s.csv"), key=str) == sorted(set(rows), key=str)
 
 
 # ------------------------------------------------------------------------------------------ fit draws

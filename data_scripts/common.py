@@ -128,7 +128,7 @@ def resized(data: bytes, # an image file's bytes
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            fmt, (w, h) = image.format, image.size
+            fmt, (w, h) = {"MPO": "JPEG"}.get(image.format, image.format), image.size  # MPO: a JPEG with a multi-picture marker
             if min(w, h) <= short_side:
                 return data
             if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first

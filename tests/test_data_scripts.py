@@ -1546,6 +1546,21 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     assert out.mode == {"P": "RGB"}.get(mode, mode)
 
 
+@pytest.mark.parametrize("fmt", ["JPEG", "MPO"])
+def test_a_resized_jpeg_is_encoded_at_quality_95(fmt):
+    "PIL reads a phone or camera JPEG with a multi-picture marker as MPO: it is a JPEG all the same, re-encoded at 95, not PIL's 75."
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8))
+    encoded = {}
+    for name, options in (("source", dict(format=fmt, quality=95, **({"save_all": True, "append_images": [image]} if fmt == "MPO" else {}))),
+                          ("q95", dict(format="JPEG", quality=95))):
+        encoded[name] = io.BytesIO()
+        image.save(encoded[name], **options)
+    assert Image.open(encoded["source"]).format == fmt
+    out = Image.open(io.BytesIO(common.resized(encoded["source"].getvalue(), 60, "x")))
+    assert out.format == "JPEG" and out.size == (80, 60)
+    assert out.quantization == Image.open(encoded["q95"]).quantization
+
+
 def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():
     "Decoding limits FLAIR's extraction from PNG files: a resized one is stored without compression, as many bytes as pixels and more."
     rng = np.random.default_rng(0)

@@ -1252,6 +1252,17 @@ def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):
         ophthalmology.fives_view({"fives": root})
 
 
+def test_a_hidden_file_in_a_source_is_not_drawn(tmp_path):
+    "A name starting with '.' is a hidden file, which read_prepared skips: drawn and written, it made the folder unreadable."
+    root = make_dir(tmp_path / "src", {"x/.1.png": image_bytes("PNG", 1), "x/2.png": image_bytes("PNG", 2), "x/3.png": image_bytes("PNG", 3)})
+    view = archives.View(archives.open_container(root), r"x/[^/]+\.png")
+    assert view.keys == ["x/2.png", "x/3.png"]
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (splits.Draw("v", "id", ("a",), 2, lambda v: {k: "a" for k in v.keys}),))
+    common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert list(read_prepared(tmp_path / "out").files) == ["id/a/2.png", "id/a/3.png"]
+
+
 def test_a_corrupt_image_in_a_source_is_named(tmp_path):
     view = archives.View(archives.open_container(make_dir(tmp_path / "d", {"x/1.png": b"version https://git-lfs"})), r"x/[^/]+\.png")
     bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},

@@ -19,7 +19,7 @@ from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manife
 from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, claim_folder,
                                    image_path, lock_folder, write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
-from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
+from splits import SPLITS, Draw, fixed_rows, rank, read_split, select, write_split
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ def prepare(bench: Benchmark, # what to prepare
     for draw in bench.draws:
         before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
         rows, sampled = select(draw, views[draw.view], shipped, seed, limit, before)
+        if sampled and limit is not None:  # the full draw's images too, as in the full run (unless the source is too small for it)
+            ranked = rank(set(draw.pick(views[draw.view])) - before, seed, draw.scope)
+            before.update(ranked[:draw.n] if len(ranked) >= draw.n else ())
         before.update(r.original for r in fixed_rows(draw, shipped) + rows)
         chosen += [(draw, r) for r in rows]
         if sampled:

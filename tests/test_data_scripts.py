@@ -350,6 +350,19 @@ def test_fit_draws_are_disjoint_from_every_test_draw_of_their_view(tmp_path):
     assert [int(x) for x in folder.labels] == ["ab".index(f.split("/")[1]) for f in folder.files], "fit images keep their class"
 
 
+def test_a_limited_run_draws_the_first_images_of_the_full_run(tmp_path):
+    "Under --limit the fit draws excluded only the limited test picks, so they took images that the full run tests."
+    root = make_dir(tmp_path / "src", {f"img/{c}_{i}.png": image_bytes("PNG", i) for c in "ab" for i in range(40)})
+    view = archives.View(archives.open_container(root), r"img/[ab]_\d+\.png")
+    bench = letters(*(splits.Draw("v", "id", (c,), 30, letters_pick(c)) for c in "ab"),
+                    *(splits.Draw("v", "fit", (c,), 10, letters_pick(c)) for c in "ab"))
+    limited = common.prepare(bench, {"v": view}, tmp_path / "limited", tmp_path / "s.csv", limit=3, progressbar=False)
+    full = common.prepare(bench, {"v": view}, tmp_path / "full", tmp_path / "s.csv", progressbar=False)
+    files = lambda rows, shift: {r["file"] for r in rows if r["shift"] == shift}  # noqa: E731
+    assert len(files(limited, "fit")) == 6 and files(limited, "fit") < files(full, "fit")
+    assert len(files(limited, "id")) == 6 and files(limited, "id") < files(full, "id")
+
+
 def test_an_overlapping_split_file_is_refused(tmp_path):
     view, split = letters_view(tmp_path), tmp_path / "s.csv"
     common.prepare(LETTERS, {"v": view}, tmp_path / "out", split, progressbar=False)

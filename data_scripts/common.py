@@ -137,7 +137,11 @@ def resized(data: bytes, # an image file's bytes
             if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
                 image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
             size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
-            small = image.resize(size, Image.Resampling.BICUBIC)
+            if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
+                # and the model reads the colours without the alpha (convert("RGB"))
+                small = Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])
+            else:
+                small = image.resize(size, Image.Resampling.BICUBIC)
         out = io.BytesIO()
         small.save(out, format=fmt,
                    **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))

@@ -1570,6 +1570,27 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     assert out.mode == {"P": "RGB"}.get(mode, mode)
 
 
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_a_resized_image_with_transparency_shows_the_model_the_same_colours(mode):
+    "The model reads an image converted to RGB, which ignores transparency: PIL's premultiplied resize made transparent white black."
+    array = np.full((100, 120, 4), 255, dtype=np.uint8)
+    array[..., 3] = 0  # a transparent white background
+    array[30:70, 40:80] = (200, 30, 30, 255)  # around an opaque red square
+    image = Image.fromarray(array)
+    if mode == "LA":
+        image = image.convert("LA")
+    if mode == "P":  # a palette with a transparent colour: white
+        image = image.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=2)
+        image.info["transparency"] = image.getpixel((0, 0))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **({"transparency": image.info["transparency"]} if mode == "P" else {}))
+    original = Image.open(io.BytesIO(buffer.getvalue()))
+    assert original.mode == mode and (mode != "P" or "transparency" in original.info)
+    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 50, "x")))
+    expected = original.convert("RGB").resize(out.size, Image.Resampling.BICUBIC)
+    assert out.size == (60, 50) and np.array_equal(np.asarray(out.convert("RGB")), np.asarray(expected))
+
+
 @pytest.mark.parametrize("fmt", ["JPEG", "MPO"])
 def test_a_resized_jpeg_is_encoded_at_quality_95(fmt):
     "PIL reads a phone or camera JPEG with a multi-picture marker as MPO: it is a JPEG all the same, re-encoded at 95, not PIL's 75."

@@ -19,7 +19,7 @@ from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manife
 from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, claim_folder,
                                    image_path, lock_folder, write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
-from splits import SPLITS, Draw, fixed_rows, read_split, select, write_split
+from splits import SPLITS, Draw, fixed_rows, rank, read_split, select, write_split
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ def prepare(bench: Benchmark, # what to prepare
     for draw in bench.draws:
         before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
         rows, sampled = select(draw, views[draw.view], shipped, seed, limit, before)
+        if sampled and limit is not None:  # the full draw's images too, as in the full run (unless the source is too small for it)
+            ranked = rank(set(draw.pick(views[draw.view])) - before, seed, draw.scope)
+            before.update(ranked[:draw.n] if len(ranked) >= draw.n else ())
         before.update(r.original for r in fixed_rows(draw, shipped) + rows)
         chosen += [(draw, r) for r in rows]
         if sampled:
@@ -128,13 +131,17 @@ def resized(data: bytes, # an image file's bytes
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            fmt, (w, h) = image.format, image.size
+            fmt, (w, h) = {"MPO": "JPEG"}.get(image.format, image.format), image.size  # MPO: a JPEG with a multi-picture marker
             if min(w, h) <= short_side:
                 return data
             if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
                 image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
             size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
-            small = image.resize(size, Image.Resampling.BICUBIC)
+            if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
+                # and the model reads the colours without the alpha (convert("RGB"))
+                small = Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])
+            else:
+                small = image.resize(size, Image.Resampling.BICUBIC)
         out = io.BytesIO()
         small.save(out, format=fmt,
                    **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
@@ -212,15 +219,17 @@ def check_counts(limit: int | None, resize: int | None) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}")
 
 
-def check_raw(raw: Path, # the download folder
-              out: Path, # the prepared folder
-              ) -> None:
-    """Refuse a ``--raw`` that is ``--out``, or inside it or the folders beside it that a run builds it in and clears."""
-    raw, out = raw.resolve(), out.resolve()
+def check_outside(option: str, # the option, e.g. "--raw"
+                  path: Path, # its value
+                  out: Path, # the prepared folder
+                  what: str, # what must stay outside, for the message, e.g. "downloads"
+                  ) -> None:
+    """Refuse a path that is ``--out``, or inside it or the folders beside it that a run builds it in and clears."""
+    path, out = path.resolve(), out.resolve()
     for place in (out, *_places(out)[:2]):  # beside out, or inside it when it is a mount point
-        if raw == place or place in raw.parents:
-            where = "also --out" if raw == out else f"inside --out {out}" if place == out else f"inside {place}, where --out {out} is built"
-            raise ValueError(f"--raw {raw} is {where}; keep downloads in a folder outside it")
+        if path == place or place in path.parents:
+            where = "also --out" if path == out else f"inside --out {out}" if place == out else f"inside {place}, where --out {out} is built"
+            raise ValueError(f"{option} {path} is {where}; keep {what} in a folder outside it")
 
 
 def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, seed: int,
@@ -283,7 +292,8 @@ def run(bench: Benchmark, # the benchmark to prepare
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
     check_counts(args.limit, args.resize)
-    check_raw(raw, args.out)
+    check_outside("--raw", raw, args.out, "downloads")
+    check_outside("--split", args.split, args.out, "the split file")  # the rows a first run samples would go with the old --out
     if args.dry_run:
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     with lock_folder(args.out):  # held from the first download to the last write: a second run on --out stops at once

@@ -100,7 +100,9 @@ def write_split(path: Path, rows: Iterable[Row]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = sorted(set(rows), key=lambda r: (r.source, FOLDERS.index(r.shift), r.label, r.original))
     text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
+    # the reader ends a line at a lone '\r' too, which the writer quotes only when it is in lineterminator: quote every field then
+    quoting = csv.QUOTE_ALL if any("\r" in f for r in rows for f in (r.source, r.label, r.original)) else csv.QUOTE_MINIMAL
+    writer = csv.writer(text, lineterminator="\n", quoting=quoting)
     writer.writerow(SPLIT_COLUMNS)
     writer.writerows([r.source, r.shift, r.label, r.original] for r in rows)
     replace_atomically(path, lambda f: f.write(text.getvalue().encode("utf-8")))

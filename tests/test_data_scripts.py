@@ -23,7 +23,7 @@ import numpy as np
 from proton.bench.prepared import MARKER_FILE, check_claimable, claim_folder, read_prepared
 from proton.deploy import hold_lock
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from PIL import Image
 
 DATA_SCRIPTS = Path(__file__).parents[1] / "data_scripts"
@@ -307,6 +307,18 @@ def test_a_split_file_keeps_its_rows_when_a_write_fails(tmp_path, monkeypatch):
     assert split.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["s.csv"]
 
 
+SPLIT_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)  # any text a file name or label may hold
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(st.tuples(st.sampled_from(["id", "far", "fit"]), SPLIT_TEXT, SPLIT_TEXT), min_size=1, max_size=6))
+@example(items=[("id", "a", "img/a\r2.png")])  # a lone carriage return ends a line for the reader: written unquoted, it split the row
+def test_a_split_file_reads_back_the_rows_written(tmp_path, items):
+    rows = [splits.Row("v", shift, label, key) for shift, label, key in items]
+    splits.write_split(tmp_path / "s.csv", rows)
+    assert sorted(splits.read_split(tmp_path / "s.csv"), key=str) == sorted(set(rows), key=str)
+
+
 # ------------------------------------------------------------------------------------------ fit draws
 
 def letters_view(tmp_path):
@@ -336,6 +348,19 @@ def test_fit_draws_are_disjoint_from_every_test_draw_of_their_view(tmp_path):
     folder = read_prepared(tmp_path / "out")
     assert folder.shift.count("fit") == 4
     assert [int(x) for x in folder.labels] == ["ab".index(f.split("/")[1]) for f in folder.files], "fit images keep their class"
+
+
+def test_a_limited_run_draws_the_first_images_of_the_full_run(tmp_path):
+    "Under --limit the fit draws excluded only the limited test picks, so they took images that the full run tests."
+    root = make_dir(tmp_path / "src", {f"img/{c}_{i}.png": image_bytes("PNG", i) for c in "ab" for i in range(40)})
+    view = archives.View(archives.open_container(root), r"img/[ab]_\d+\.png")
+    bench = letters(*(splits.Draw("v", "id", (c,), 30, letters_pick(c)) for c in "ab"),
+                    *(splits.Draw("v", "fit", (c,), 10, letters_pick(c)) for c in "ab"))
+    limited = common.prepare(bench, {"v": view}, tmp_path / "limited", tmp_path / "s.csv", limit=3, progressbar=False)
+    full = common.prepare(bench, {"v": view}, tmp_path / "full", tmp_path / "s.csv", progressbar=False)
+    files = lambda rows, shift: {r["file"] for r in rows if r["shift"] == shift}  # noqa: E731
+    assert len(files(limited, "fit")) == 6 and files(limited, "fit") < files(full, "fit")
+    assert len(files(limited, "id")) == 6 and files(limited, "id") < files(full, "id")
 
 
 def test_an_overlapping_split_file_is_refused(tmp_path):
@@ -1211,6 +1236,19 @@ def test_a_raw_inside_out_is_refused_before_any_download(tmp_path, monkeypatch, 
     assert list(tmp_path.iterdir()) == [], "nothing was written"
 
 
+@pytest.mark.parametrize("split,message", [("out/s.csv", "--split {out}/s.csv is inside --out {out}"),
+                                           (".out.old/s.csv", "--split {tmp}/.out.old/s.csv is inside {tmp}/.out.old, where --out {out} is built")])
+def test_a_split_inside_out_is_refused_before_any_download(tmp_path, monkeypatch, capsys, split, message):
+    "The rows a first run samples would be written into --out, then deleted with the folder the new one replaces."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before --split was checked"))
+    for dry in ([], ["--dry-run"]):
+        assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"),
+                                                    "--split", str(tmp_path / split), *dry]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {message.format(out=tmp_path / 'out', tmp=tmp_path)}; keep the split file in a folder outside it\n"
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
 def test_an_out_inside_raw_is_accepted(tmp_path, capsys):
     "The prepared folder may live in the download folder: a run replaces only --out and what it builds beside it."
     assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "raw/out"), "--raw", str(tmp_path / "raw"), "--dry-run"]) == 0
@@ -1225,6 +1263,17 @@ def test_views_ignore_junk_and_refuse_duplicate_keys(tmp_path):
     make_dir(root, {"copy/train/Original/1_N.png": b"1"})
     with pytest.raises(archives.LayoutError, match="two files have the key 'train/Original/1_N.png'"):
         ophthalmology.fives_view({"fives": root})
+
+
+def test_a_hidden_file_in_a_source_is_not_drawn(tmp_path):
+    "A name starting with '.' is a hidden file, which read_prepared skips: drawn and written, it made the folder unreadable."
+    root = make_dir(tmp_path / "src", {"x/.1.png": image_bytes("PNG", 1), "x/2.png": image_bytes("PNG", 2), "x/3.png": image_bytes("PNG", 3)})
+    view = archives.View(archives.open_container(root), r"x/[^/]+\.png")
+    assert view.keys == ["x/2.png", "x/3.png"]
+    bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},
+                             (splits.Draw("v", "id", ("a",), 2, lambda v: {k: "a" for k in v.keys}),))
+    common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False)
+    assert list(read_prepared(tmp_path / "out").files) == ["id/a/2.png", "id/a/3.png"]
 
 
 def test_a_corrupt_image_in_a_source_is_named(tmp_path):
@@ -1519,6 +1568,42 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60, "x")))
     assert out.format == "PNG" and min(out.size) == 60 and out.size[0] / out.size[1] == pytest.approx(size[0] / size[1], rel=0.02)
     assert out.mode == {"P": "RGB"}.get(mode, mode)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_a_resized_image_with_transparency_shows_the_model_the_same_colours(mode):
+    "The model reads an image converted to RGB, which ignores transparency: PIL's premultiplied resize made transparent white black."
+    array = np.full((100, 120, 4), 255, dtype=np.uint8)
+    array[..., 3] = 0  # a transparent white background
+    array[30:70, 40:80] = (200, 30, 30, 255)  # around an opaque red square
+    image = Image.fromarray(array)
+    if mode == "LA":
+        image = image.convert("LA")
+    if mode == "P":  # a palette with a transparent colour: white
+        image = image.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=2)
+        image.info["transparency"] = image.getpixel((0, 0))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **({"transparency": image.info["transparency"]} if mode == "P" else {}))
+    original = Image.open(io.BytesIO(buffer.getvalue()))
+    assert original.mode == mode and (mode != "P" or "transparency" in original.info)
+    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 50, "x")))
+    expected = original.convert("RGB").resize(out.size, Image.Resampling.BICUBIC)
+    assert out.size == (60, 50) and np.array_equal(np.asarray(out.convert("RGB")), np.asarray(expected))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "MPO"])
+def test_a_resized_jpeg_is_encoded_at_quality_95(fmt):
+    "PIL reads a phone or camera JPEG with a multi-picture marker as MPO: it is a JPEG all the same, re-encoded at 95, not PIL's 75."
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8))
+    encoded = {}
+    for name, options in (("source", dict(format=fmt, quality=95, **({"save_all": True, "append_images": [image]} if fmt == "MPO" else {}))),
+                          ("q95", dict(format="JPEG", quality=95))):
+        encoded[name] = io.BytesIO()
+        image.save(encoded[name], **options)
+    assert Image.open(encoded["source"]).format == fmt
+    out = Image.open(io.BytesIO(common.resized(encoded["source"].getvalue(), 60, "x")))
+    assert out.format == "JPEG" and out.size == (80, 60)
+    assert out.quantization == Image.open(encoded["q95"]).quantization
 
 
 def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():

@@ -262,6 +262,8 @@ class BankViews:
         "Whether the views still share memory with `text` and the bank's tensors (replaced tensors need new views)."
         return all(a is b for a, b in zip(self.tensors, (text, bank.entries, bank.counts, bank.prototypes)))
 
+    def __reduce__(self): return type(None), ()  # a copy or a pickle holds None, not views of (or an address in) the original's memory
+
 # %% ../nbs/15_engine.ipynb
 def _shift_up(address:int, # where the first of the rows starts in memory
               row_bytes:int, # bytes per row

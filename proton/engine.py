@@ -144,6 +144,7 @@ def _exclusive_cumsum(x): return x.cumsum(1) - x
 def block_similarities(Eb:Tensor, # (B, L, d) the chunk's embeddings, by block
                        Ub:Tensor, # (B, L, d) their queue changes
                        Sb:Tensor, # (B, C, d) window sums at block starts
+                       n:Tensor, # (B, C) entries each queue holds at block starts
                        onehot:Tensor): # (B, L, C) one-hot class of each gated image (zero rows when not gated)
     "(B, L, C) cosine similarity of each image to the prototypes it sees, and the condition number of each."
     L = Eb.shape[1]
@@ -154,9 +155,10 @@ def block_similarities(Eb:Tensor, # (B, L, d) the chunk's embeddings, by block
     dot = torch.bmm(EU * earlier, onehot).add_(ES)
     uu = UU.diagonal(dim1=1, dim2=2)[..., None]
     growth = (onehot * torch.bmm(UU * earlier, onehot).add_(US).mul_(2).add_(uu)).double()
-    size2 = torch.linalg.vector_norm(Sb, dim=-1).double().square()[:, None]
-    length = (size2 + _exclusive_cumsum(growth)).clamp_min(0).sqrt()
-    scale = size2.sqrt() + _exclusive_cumsum(onehot.double() * uu.double().clamp_min(0).sqrt())
+    size = torch.linalg.vector_norm(Sb, dim=-1).double()[:, None]
+    length = (size.square() + _exclusive_cumsum(growth)).clamp_min(0).sqrt()
+    start = (size * n.double()[:, None]).sqrt()  # S_b was summed from its n unit entries: its error scales with n, not with its length
+    scale = start + _exclusive_cumsum(onehot.double() * uu.double().clamp_min(0).sqrt())
     return dot / length.to(Eb.dtype).clamp_min(1e-12), scale / length.clamp_min(1e-300)
 
 # %% ../nbs/15_engine.ipynb
@@ -224,13 +226,14 @@ def scan_chunk(bank:PrototypeBank, # the bank; it advances over the chunk in pla
     onehot = F.one_hot(predicted, C).to(E.dtype) * gated[:, None]
     onehot = torch.cat([onehot, onehot.new_zeros(P - N, C)]).view(-1, L, C)
     S = bank.entries.double().sum(1)  # window sums before the tile
+    n = torch.cat([before, after[None]]).clamp_max(M)[:P:L]  # entries each queue holds at each block start
     sims, kappa = E.new_empty(P, C), torch.empty(P, C, dtype=torch.float64, device=E.device)
     for a in range(0, P, buffers.tile):
         b = min(P, a + buffers.tile)
         buffers.fill(a, b)
         U, oh = queue_changes(Src, minus[a:b], a, buffers.u[:b - a]).view(-1, L, d), onehot[a // L:b // L]
         Sb, S = block_starts(U, oh, S)
-        s, k = block_similarities(Src[a:b].view(-1, L, d), U, Sb, oh)
+        s, k = block_similarities(Src[a:b].view(-1, L, d), U, Sb, n[a // L:b // L], oh)
         sims[a:b], kappa[a:b] = s.reshape(-1, C), k.reshape(-1, C)
     sims, kappa = sims[:N], kappa[:N]
     redo = (kappa > KAPPA[E.dtype]).nonzero()
@@ -261,6 +264,8 @@ class BankViews:
     def sees(self, text:Tensor, bank:PrototypeBank):
         "Whether the views still share memory with `text` and the bank's tensors (replaced tensors need new views)."
         return all(a is b for a, b in zip(self.tensors, (text, bank.entries, bank.counts, bank.prototypes)))
+
+    def __reduce__(self): return type(None), ()  # a copy or a pickle holds None, not views of (or an address in) the original's memory
 
 # %% ../nbs/15_engine.ipynb
 def _shift_up(address:int, # where the first of the rows starts in memory

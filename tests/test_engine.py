@@ -139,6 +139,40 @@ def test_ill_conditioned_similarities_are_recomputed():
     check_same(got, want, fast, slow, torch.float32)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [39, 9, 4, 1])
+def test_a_queue_that_cancels_at_a_block_start_is_recomputed(dtype, chunk):
+    "Queue [0, 1], [0, -1] before row 8, a block start (M = L = 2): the window sum accumulated from the changes is not exact there."
+    X = torch.tensor([[0., -1.], [1., -.5], [4., -2.], [-2., 4.], [-1., 2.], [0., 2.], [0., 4.], [0., -2.], [0., -2.]] + [[1., -.5]] * 30, dtype=dtype)
+    cfg = ProtonConfig(bank_size=2, k_min=1, gamma=0.3, temperature=0.01)
+    text = torch.tensor([[0.82161814, 0.33043708]], dtype=dtype)
+    slow, fast = Proton(text, cfg), Proton(text, cfg)
+    want = stepwise(slow, X)
+    got = fast.score(X, return_parts=True) if chunk == len(X) else scan_in_chunks(fast, X, chunk)
+    check_same(got, want, fast, slow, dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.fixed_dictionaries(dict(dim=st.integers(2, 12), pairs=st.integers(17, 60), seed=st.integers(0, 10_000),
+                                  delta=st.sampled_from([1e-2, 1e-3, 1e-4, 1e-5]), chunk=st.integers(1, 97), tile=st.integers(1, 8),
+                                  dtype=st.sampled_from([torch.float32, torch.float64]))))
+def test_near_cancelling_pairs_at_block_starts(p):
+    "Pairs x, -x + δ·noise fill a queue of two just before each block start: every window sum there nearly cancels."
+    rng = np.random.default_rng(p["seed"])
+    x = rng.normal(size=(p["pairs"], p["dim"]))
+    X = torch.tensor(np.stack([x, -x + p["delta"] * rng.normal(size=x.shape)], 1).reshape(-1, p["dim"]), dtype=p["dtype"])
+    cfg = ProtonConfig(bank_size=2, k_min=1, gamma=0.5)  # one class: every image enters its queue
+    slow, fast = Proton(X[:1], cfg), Proton(X[:1], cfg)
+    want = stepwise(slow, X)
+    old = engine.TILE
+    try:
+        engine.TILE = 2 * p["tile"]  # tiles of whole blocks, the sums carried from tile to tile
+        got = scan_in_chunks(fast, X, p["chunk"])
+    finally:
+        engine.TILE = old
+    check_same(got, want, fast, slow, p["dtype"])
+
 def near_the_gate(gamma, dtype):
     "Images of class 0 of two (τ = 0.01, text np.eye(2, 4)) whose confidences in `dtype` lie within a few units in the last place of γ."
     gap = 0.01 * np.log(gamma / (1 - gamma))  # the cosine gap at which the softmax of two classes gives γ

@@ -69,3 +69,27 @@ def test_prompt_baselines_without_prompt_sets_are_skipped_by_name(cache):
         warnings.simplefilter("always")
         evaluate(cache, ["mcm", "hier_mcm"], shifts="far", n_permutations=1, progress=False)
     assert any("hier_mcm" in str(w.message) and "prompt sets" in str(w.message) for w in caught)
+
+
+def test_the_recorded_protocol_says_what_each_experiment_held_out_on_a_cache_without_a_fit_split(tmp_path):
+    "Without a fit split, only an experiment with a privileged method holds ID images out: each entry of the protocol file says so, and its streams match."
+    import json
+    import pandas as pd
+    from proton.bench.evaluation import carve_held_out, evaluate_main
+    c = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=100, n_per_shift=40, seed=1)
+    c.save(tmp_path / "nofit.npz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert evaluate_main([str(tmp_path / "nofit.npz"), "--out", str(tmp_path / "r.csv"), "--experiments", "ablation,main_table",
+                              "--permutations", "1", "--no-progress"]) == 0
+    protocol = json.loads((tmp_path / "r_protocol.json").read_text())
+    said = {}
+    for name, f in (("ablation", "r_ablation.csv"), ("main_table", "r.csv")):
+        entry = protocol[name]
+        said[name] = entry["caches"][str(tmp_path / "nofit.npz")]["privileged_fit_on"]
+        test = carve_held_out(c, entry["held_out_fraction"]).test  # the images the recorded protocol leaves to the streams
+        (_, stream), = stream_permutations(test, "covariate", n_permutations=1, rho=entry["rho"])
+        df = pd.read_csv(tmp_path / f)
+        assert set(df[df["shift"] == "covariate"].n_id) == {int((~stream.is_ood).sum())}, name
+    assert said["main_table"] == "20% of the ID images held out"
+    assert said["ablation"].startswith("none")

@@ -3,6 +3,7 @@ import json
 import re
 import sys
 import time
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -217,3 +218,23 @@ def test_extraction_inside_reproduce_keeps_its_warnings_but_the_skipped_images(t
     path.unlink()  # the shards of another run (another shard size) stay, as a killed run with other settings leaves them
     with pytest.warns(UserWarning, match=r"recomputing shard 0: .* belongs to another run"):
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
+def test_one_configuration_gives_one_number_across_the_tables_on_a_cache_without_a_fit_split():
+    "Without a fit split, every table streams the images left after one held-out split: PROTON's and MCM's defaults agree across tables, and Table 1 is the main table's."
+    from proton.bench.cache import EmbeddingCache
+    from proton.bench.experiments.main_table import main_table
+    from proton.bench.synth import SyntheticWorld
+    from proton.models.reproduce import paper_results
+    c = EmbeddingCache.from_world(SyntheticWorld.preset("ophthalmology"), n_id=100, n_per_shift=40, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t, _, _ = paper_results({"ophthalmology": c}, n_permutations=1, progress=False)
+        main = main_table(c, n_permutations=1, progress=False)
+    o = lambda name: t[name].xs("ours", axis=1, level=1)
+    proton = {o("table1").loc["PROTON", "covariate AUROC"], o("table4b").loc["proton", "covariate AUROC"], o("table2a").loc[0.7, "covariate"],
+              o("table2b").loc["Ophth. (FLAIR)", "PROTON"], o("table3a").loc["+ confidence gate (full)", "covariate"], o("table3b").loc[0.7, "AUROC"]}
+    mcm = {o("table1").loc["MCM", "covariate AUROC"], o("table3a").loc["mcm", "covariate"], o("table2b").loc["Ophth. (FLAIR)", "MCM"]}
+    assert len(proton) == 1 and len(mcm) == 1, (proton, mcm)
+    cov = main[main["shift"] == "covariate"].groupby("method").auroc.mean().mul(100).round(1)
+    assert proton == {cov["proton"]} and mcm == {cov["mcm"]}

@@ -16,6 +16,7 @@ import os
 import sys
 import warnings
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -267,6 +268,20 @@ def _measure(prepared:_Prepared, runnable:dict, streams:dict, bar, convention:st
     return rows
 
 # %% ../../nbs/23_evaluation.ipynb
+_FITS = ContextVar("fits", default=None)  # while `_fits` collects: {id(cache): {(share held out, what the privileged methods fitted on)}}
+
+@contextmanager
+def _fits():
+    "Collect, per cache that `evaluate` runs on inside the block, the ID share it held out and what it fitted the privileged methods on."
+    token = _FITS.set({})
+    try: yield _FITS.get()
+    finally: _FITS.reset(token)
+
+def _fitted_on(cache:EmbeddingCache, fit:bool, fraction:float): # the cache; whether its fit split was used; the ID share held out
+    "What the privileged methods of one `evaluate` call were fitted on, as the protocol file says it."
+    if fit: return f"fit split, {len(cache.fit_labels)} images"
+    return f"{fraction:.0%} of the ID images held out" if fraction else "none: no ID image held out, the streams keep them all"
+
 def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
              methods=None, # names in `METHODS`, or {label: (name, ProtonConfig|None)}; None: every method
              shifts=None, # OOD shifts to evaluate; None: semantic, covariate and far
@@ -300,6 +315,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     why = f"held_out_fraction={held_out_fraction}: no labelled ID split to fit it on"
     if held_out_fraction and (cache.shift == "id").sum() < 2:  # too few to split; the streams report the missing ID images
         why, held_out_fraction = f"only {(cache.shift == 'id').sum()} ID images, too few for a held-out split", 0
+    if (fits := _FITS.get()) is not None: fits.setdefault(id(cache), set()).add((held_out_fraction or 0, _fitted_on(cache, fit, held_out_fraction)))
     with torch_threads(threads):
         if fit: test, held_out = cache, HeldOut(cache.fit_embeddings, cache.fit_labels)
         else: test, held_out, _ = carve_held_out(cache, held_out_fraction, seed)
@@ -554,23 +570,25 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
     simulated = [label for label, c in caches if c.metadata.get("simulated")]  # labelled per cache: a real one beside does not hide it
     simulated = "" if not simulated else " (simulated)" if len(simulated) == len(caches) else f" (simulated: {', '.join(simulated)})"
     protocol_file = out.with_name(f"{out.stem}_protocol.json")
-    fitted_on = lambda c: f"fit split, {len(c.fit_labels)} images" if c.fit_labels is not None and args.protocol.fit_split else f"{args.protocol.held_out_fraction:.0%} of the ID images held out"
-    used = {label: dict(simulated=bool(c.metadata.get("simulated")), privileged_fit_on=fitted_on(c), prompt_sets=list(c.prompt_set_names))
-            for label, c in caches}
+    fitted_on = lambda c, fits: "; ".join(sorted(t for _, t in fits.get(id(c), ()))) or _fitted_on(c, False, 0)  # none: no evaluate call on it
+    used = lambda fits: {label: dict(simulated=bool(c.metadata.get("simulated")), privileged_fit_on=fitted_on(c, fits), prompt_sets=list(c.prompt_set_names))
+                         for label, c in caches}
     described = _described(protocol_file)
     ignored = {name: _ignored(name) for name in names}
     for name in names:
         unused = [f for f in ignored[name] if f in args.given]
         if unused and (args.simulated_run or EXPERIMENTS[name].takes != "world"):
             warnings.warn(f"{name} does not use {', '.join(unused)}; ignored for it")
-        try: result = _run_experiment(name, caches, args)
-        except ValueError as e:  # `all` runs what the caches allow; an experiment named on its own fails loudly
-            if args.experiments.strip() != "all": raise
-            warnings.warn(f"skipped {name}: {e}", SkippedWarning); continue
+        with _fits() as fits:  # what each cache's streams held out, as this experiment ran them
+            try: result = _run_experiment(name, caches, args)
+            except ValueError as e:  # `all` runs what the caches allow; an experiment named on its own fails loudly
+                if args.experiments.strip() != "all": raise
+                warnings.warn(f"skipped {name}: {e}", SkippedWarning); continue
         if result is None: warnings.warn(f"skipped {name}: it sweeps synthetic worlds, so it runs only without cache files", SkippedWarning); continue
         summary = _write(name, result, out, simulated, args.permutations)
         # the protocol file follows the results it describes, never precedes them: a failed run leaves the old pair
-        described[name] = asdict(args.protocol) | dict(ignored=ignored[name], caches=used)
+        held = max((f for found in fits.values() for f, _ in found), default=0)  # 0: no stream of this experiment lost an ID image
+        described[name] = asdict(args.protocol) | dict(held_out_fraction=held, ignored=ignored[name], caches=used(fits))
         text = json.dumps(described, indent=2) + "\n"
         replace_atomically(protocol_file, lambda f: f.write(text.encode()))
         print(summary)  # only once both files are written: a reader that leaves at the print leaves them a pair

@@ -13,7 +13,7 @@ import json
 import platform
 import sys
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..bench.cache import EmbeddingCache
-from ..bench.evaluation import PAPER_PROTOCOL, import_pandas
+from ..bench.evaluation import PAPER_PROTOCOL, carve_held_out, import_pandas
 from ..bench.experiments import PAPER, REPORTED, experiment
 from ..bench.experiments.cross_domain import DOMAIN_MODELS
 from ..bench.experiments.dynamics import dynamics, trajectories
@@ -249,12 +249,19 @@ def _attempt(name:str, make, notes:dict):
     if said: notes[name] = "; ".join(said)
     return result
 
+def _with_fit_split(cache:EmbeddingCache): # a domain's cache
+    "A cache without a fit split as the streams see it after `evaluate`'s held-out split, that split made its fit split: every table then streams the same images."
+    if cache.fit_labels is not None or (cache.shift == "id").sum() < 2: return cache  # too few to split: `evaluate` says so itself
+    split = carve_held_out(cache, PAPER_PROTOCOL.held_out_fraction, PAPER_PROTOCOL.seed)
+    return replace(split.test, fit_embeddings=split.held_out.embeddings, fit_labels=split.held_out.labels)
+
 def paper_results(caches:dict, # {domain: EmbeddingCache}, any subset of `DOMAINS`
                   n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
                   progress:bool=True): # show progress bars
     "Every table and figure input of the paper from the caches: ({name: DataFrame}, {name: experiment results}, notes)."
     run = dict(n_permutations=n_permutations, progress=progress)
     tables, raw, notes = {}, {}, {}
+    caches = {d: _with_fit_split(c) for d, c in caches.items()}
     main = caches.get(MAIN_DOMAIN)
     raw["sensitivity"] = {d: r for d, c in caches.items() if (r := _attempt(f"sensitivity ({d})", lambda c=c: experiment("sensitivity")(c, **run), notes)) is not None}
     raw["cross_domain"] = _attempt("table2b", lambda: experiment("cross_domain")(caches, **run), notes)

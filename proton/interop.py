@@ -19,6 +19,12 @@ def _features_detector():
     except ImportError: raise ImportError('PROTON as a pytorch-ood detector needs pytorch-ood: pip install "proton-ood[interop]"') from None
     return FeaturesDetector, ModelNotSetException
 
+def _refuse_tuple(z, # what a net or an encoder gave
+                  what:str): # who gave it, for the message
+    "`z`, unless it is a tuple such as a net's (features, logits): PROTON scores the features alone."
+    if isinstance(z, tuple): raise ValueError(f"{what} a tuple of {len(z)}; PROTON needs the (B, d) embeddings alone: for a (features, logits) pair, pass the features")
+    return z
+
 def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its stream advances with every call
                          encoder=None): # callable: a batch of model inputs -> (B, d) embeddings; None: features only
     "PROTON as a pytorch-ood `FeaturesDetector`: larger scores mean more OOD, as pytorch-ood expects."
@@ -28,7 +34,7 @@ def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its str
         "PROTON, a test-time online detector, in pytorch-ood's detector API."
         requires_fit = False
         def __init__(self): self.detector, self.encoder = detector, encoder
-        def predict_features(self, x:Tensor): return self.detector.score(x)  # (B, d) embeddings -> (B,) scores
+        def predict_features(self, x:Tensor): return self.detector.score(_refuse_tuple(x, "predict_features got"))  # (B, d) embeddings -> (B,) scores
         def predict(self, x:Tensor):
             if self.encoder is None: raise ModelNotSetException("ProtonDetector.predict needs an encoder; use predict_features on embeddings")
             with torch.no_grad(): return self.predict_features(self.encoder(x))
@@ -57,7 +63,7 @@ class OpenOODPostprocessor(_openood_base()):
     def postprocess(self, net, # callable: a batch -> (B, d) embeddings
                     data): # a batch of inputs
         "(predicted classes, confidences) of a batch, in stream order."
-        parts = self.detector.score(net(data), return_parts=True)
+        parts = self.detector.score(_refuse_tuple(net(data), "net(data) returned"), return_parts=True)
         return parts.predicted, -parts.score
     def inference(self, net, data_loader, progress:bool=True):
         "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays; each batch goes to the device of `net`'s weights."

@@ -6,6 +6,8 @@
 __all__ = ['pytorch_ood_detector', 'OpenOODPostprocessor']
 
 # %% ../nbs/51_interop.ipynb
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -19,16 +21,22 @@ def _features_detector():
     except ImportError: raise ImportError('PROTON as a pytorch-ood detector needs pytorch-ood: pip install "proton-ood[interop]"') from None
     return FeaturesDetector, ModelNotSetException
 
-def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its stream advances with every call
-                         encoder=None): # callable: a batch of model inputs -> (B, d) embeddings; None: features only
-    "PROTON as a pytorch-ood `FeaturesDetector`: larger scores mean more OOD, as pytorch-ood expects."
+def _refuse_tuple(z, # what a net or an encoder gave
+                  what:str): # who gave it, for the message
+    "`z`, unless it is a tuple such as a net's (features, logits): PROTON scores the features alone."
+    if isinstance(z, tuple): raise ValueError(f"{what} a tuple of {len(z)}; PROTON needs the (B, d) embeddings alone: for a (features, logits) pair, pass the features")
+    return z
+
+@functools.cache
+def _detector_class():
+    "The `ProtonDetector` class, made once, on first use: pytorch-ood, its base, is an optional import."
     FeaturesDetector, ModelNotSetException = _features_detector()
-    if not isinstance(detector, Proton): raise TypeError(f"detector must be a Proton, got {type(detector).__name__}")
     class ProtonDetector(FeaturesDetector):
         "PROTON, a test-time online detector, in pytorch-ood's detector API."
         requires_fit = False
-        def __init__(self): self.detector, self.encoder = detector, encoder
-        def predict_features(self, x:Tensor): return self.detector.score(x)  # (B, d) embeddings -> (B,) scores
+        def __init__(self, detector, encoder): self.detector, self.encoder = detector, encoder
+        def __reduce__(self): return _empty_detector, (), self.__dict__  # pickle finds the class through a module-level function
+        def predict_features(self, x:Tensor): return self.detector.score(_refuse_tuple(x, "predict_features got"))  # (B, d) embeddings -> (B,) scores
         def predict(self, x:Tensor):
             if self.encoder is None: raise ModelNotSetException("ProtonDetector.predict needs an encoder; use predict_features on embeddings")
             with torch.no_grad(): return self.predict_features(self.encoder(x))
@@ -36,7 +44,19 @@ def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its str
             "Move the wrapped `Proton`, its stream state included, then what pytorch-ood moves itself (an encoder that is a module)."
             self.detector.to(device)
             return super().to(device)
-    return ProtonDetector()
+    return ProtonDetector
+
+def _empty_detector():
+    "A `ProtonDetector` without state, for pickle to fill in."
+    cls = _detector_class()
+    return cls.__new__(cls)
+
+def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its stream advances with every call
+                         encoder=None): # callable: a batch of model inputs -> (B, d) embeddings; None: features only
+    "PROTON as a pytorch-ood `FeaturesDetector`: larger scores mean more OOD, as pytorch-ood expects."
+    cls = _detector_class()
+    if not isinstance(detector, Proton): raise TypeError(f"detector must be a Proton, got {type(detector).__name__}")
+    return cls(detector, encoder)
 
 # %% ../nbs/51_interop.ipynb
 def _openood_base():
@@ -57,7 +77,7 @@ class OpenOODPostprocessor(_openood_base()):
     def postprocess(self, net, # callable: a batch -> (B, d) embeddings
                     data): # a batch of inputs
         "(predicted classes, confidences) of a batch, in stream order."
-        parts = self.detector.score(net(data), return_parts=True)
+        parts = self.detector.score(_refuse_tuple(net(data), "net(data) returned"), return_parts=True)
         return parts.predicted, -parts.score
     def inference(self, net, data_loader, progress:bool=True):
         "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays; each batch goes to the device of `net`'s weights."

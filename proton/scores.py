@@ -22,7 +22,10 @@ def as_tensor(x, # numpy array, torch tensor or nested list
               name:str="input", # what `x` is, used in error messages
               check_finite:bool=True): # refuse NaN and Inf entries
     "`x` as a floating torch tensor without autograd history, refusing NaN, Inf, booleans and complex numbers."
-    t = x.detach() if isinstance(x, Tensor) else torch.as_tensor(np.ascontiguousarray(x))  # scoring records no autograd history
+    try: t = x.detach() if isinstance(x, Tensor) else torch.as_tensor(np.ascontiguousarray(x))  # scoring records no autograd history
+    except (TypeError, ValueError):  # None, a string, a net's (features, logits) tuple: numpy's message names neither `name` nor the type
+        kind = f"ndarray of dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"{name} must be a numeric array or tensor, got {kind}") from None
     if t.dtype == torch.bool or t.is_complex(): raise ValueError(f"{name} must be real numbers, got dtype {t.dtype}")
     t = t.to(device=device, dtype=dtype or (t.dtype if t.is_floating_point() else torch.float32))
     if not check_finite: return t

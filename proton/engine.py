@@ -287,7 +287,8 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
         if x.device.type != "cpu" or x.requires_grad or x.shape not in shapes: return None
         if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64): return None
         x = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
-    v = np.asarray(x)
+    try: v = np.asarray(x)
+    except (TypeError, ValueError): return None  # a ragged list or a tuple: the general path names it
     if v.shape not in shapes or v.dtype.kind != "f": return None
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
     row = torch.from_numpy(v)[None]

@@ -356,3 +356,12 @@ def test_a_full_disk_while_saving_a_state_is_named_and_keeps_the_old_file(tmp_pa
     with pytest.raises(OSError, match="No space left on device") as e: deploy.save_state({"x": torch.ones(1000)}, path)
     assert e.value.errno == errno.ENOSPC
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+@pytest.mark.parametrize("x, got", [((np.ones(16, np.float32), np.ones(3, np.float32)), "tuple"), ([[1.] * 16, [1.] * 3], "list")])
+def test_a_ragged_input_to_score_is_named_in_one_line(x, got):
+    "A (features, logits) pair or a ragged list given to `Proton.score` met numpy's 'inhomogeneous shape' in the one-image path, naming neither the embeddings nor the input's type."
+    T, _ = clustered_stream(3, 16, 10, seed=0)
+    det = Proton(T)
+    with pytest.raises(ValueError, match=rf"^image embeddings must be a numeric array or tensor, got {got}$"): det.score(x)
+    assert det.welford.n == 0

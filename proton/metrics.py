@@ -18,7 +18,8 @@ def float_array(x, # numpy, torch (any device or dtype, bfloat16 too) or a list
         x = x.detach().cpu()
         if x.is_complex(): raise ValueError(f"{name} must be real numbers, got dtype {x.dtype}")
         x = x.double()
-    a = np.asarray(x)
+    try: a = np.asarray(x)
+    except ValueError: raise ValueError(f"{name} must be a numeric array or tensor, got {type(x).__name__}") from None  # a ragged list: numpy's message names no argument
     if a.dtype.kind not in "biuf": raise ValueError(f"{name} must be real numbers, got dtype {a.dtype}")
     return a.astype(np.float64)
 

@@ -365,3 +365,14 @@ def test_a_ragged_input_to_score_is_named_in_one_line(x, got):
     det = Proton(T)
     with pytest.raises(ValueError, match=rf"^image embeddings must be a numeric array or tensor, got {got}$"): det.score(x)
     assert det.welford.n == 0
+
+
+def test_a_ragged_list_of_scores_is_named_in_one_line():
+    "A ragged list given to the metrics or the deployment tools met numpy's raw 'inhomogeneous shape', naming no argument."
+    from proton import ood_metrics
+    from proton.deploy import CusumDrift, WarmupThreshold, threshold_for_id_recall
+    r = [.1, [.2, .3]]
+    for call, name in ((lambda: ood_metrics([.1, .2], r), "scores_ood"), (lambda: threshold_for_id_recall(r), "scores_id"),
+                       (lambda: WarmupThreshold(3).set_reference(r), "scores_id"), (lambda: WarmupThreshold(3).update(r, [True, True]), "scores"),
+                       (lambda: CusumDrift().update(r), "z")):
+        with pytest.raises(ValueError, match=rf"^{name} must be a numeric array or tensor, got list$"): call()

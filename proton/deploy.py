@@ -305,11 +305,14 @@ def load_monitor(path, # a file written by `save_state(monitor.state_dict(), pat
 
 # %% ../nbs/50_deploy.ipynb
 def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, from its first image
-               enqueued, # (N,) whether each entered the bank
+               enqueued, # (N,) whether each entered the bank: booleans or 0/1
                n_classes:int, # C
                bank_size:int): # M, capacity of each queue
     "(class, slot, stream index) of every bank entry, slot 0 the oldest: the last M images enqueued into each class."
-    shape, enqueued = np.shape(predicted), np.asarray(enqueued, dtype=bool)
+    shape, e = np.shape(predicted), np.asarray(enqueued)
+    if e.size and e.dtype.kind not in "biu": raise ValueError(f"enqueued must be booleans or 0/1, got dtype {e.dtype}")  # 'False' strings, NaN or 0.5 are no flags
+    if e.size and (e.min() < 0 or e.max() > 1): raise ValueError(f"enqueued must be booleans or 0/1, got values in [{e.min()}, {e.max()}]")
+    enqueued = e.astype(bool)
     if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
     if plain_number(bank_size, whole=True) is None or bank_size < 1: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
     predicted, bank_size = class_indices(predicted, n_classes, "predicted classes").cpu().numpy(), int(bank_size)

@@ -315,9 +315,11 @@ def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, f
     enqueued = e.astype(bool)
     if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
     if plain_number(bank_size, whole=True) is None or bank_size < 1: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
-    predicted, bank_size = class_indices(predicted, n_classes, "predicted classes").cpu().numpy(), int(bank_size)
+    n = plain_number(n_classes, whole=True)
+    if n is None or n < 1: raise ValueError(f"n_classes must be a positive integer, got {n_classes!r}")
+    predicted, bank_size = class_indices(predicted, n, "predicted classes").cpu().numpy(), int(bank_size)
     out = []
-    for c in range(n_classes):
+    for c in range(n):
         held = np.flatnonzero(enqueued & (predicted == c))[-bank_size:]
         out += [(c, slot, int(t)) for slot, t in enumerate(held)]
     return out

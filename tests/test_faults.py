@@ -223,6 +223,14 @@ def test_a_bank_audit_refuses_enqueued_flags_that_are_not_booleans(enqueued, got
     assert bank_audit([0, 1], [0, 1], 2, 3) == bank_audit([0, 1], [False, True], 2, 3) == [(1, 0, 1)]
 
 
+@pytest.mark.parametrize("n_classes", [None, "2", -1, 0, 2.5, True])
+def test_a_bank_audit_refuses_a_number_of_classes_that_is_no_positive_integer(n_classes):
+    "n_classes went unchecked: 2.0, None and '2' met raw TypeErrors, and -1 gave an empty audit without a word."
+    from proton.deploy import bank_audit
+    with pytest.raises(ValueError, match=re.escape(f"n_classes must be a positive integer, got {n_classes!r}")): bank_audit([], [], n_classes, 3)
+    assert bank_audit([0, 1], [True, True], 2.0, 3) == bank_audit([0, 1], [True, True], 2, 3) == [(0, 0, 0), (1, 0, 1)]
+
+
 def test_bfloat16_scores_are_scores():
     from proton import ood_metrics
     from proton.deploy import CusumDrift, WarmupThreshold, threshold_for_id_recall

@@ -38,6 +38,9 @@ def replace_atomically(path, # destination; an existing file is replaced only on
                        write): # called with the temporary file, open for writing bytes, to fill it
     "Write `path` through `write`: a temporary file beside it, fsync, rename, so a crash leaves the old file or the new one whole; a symbolic link stays one, its target replaced."
     given, path = Path(path), Path(path).resolve()  # the file a link points to: the rename replaces it, not the link
+    if not path.parent.is_dir():  # `open` would name the hidden temporary file, not the destination; no folder is made here (`check_writable` makes one)
+        raise (NotADirectoryError(f"cannot write {given}: {path.parent} is not a folder") if path.parent.exists()
+               else FileNotFoundError(f"cannot write {given}: folder {path.parent} does not exist"))
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:  # the permissions of any new file (the umask's), not a temporary file's 0600

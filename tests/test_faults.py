@@ -393,3 +393,16 @@ def test_a_ragged_list_of_scores_is_named_in_one_line():
                        (lambda: WarmupThreshold(3).set_reference(r), "scores_id"), (lambda: WarmupThreshold(3).update(r, [True, True]), "scores"),
                        (lambda: CusumDrift().update(r), "z")):
         with pytest.raises(ValueError, match=rf"^{name} must be a numeric array or tensor, got list$"): call()
+
+
+def test_saving_into_a_missing_folder_names_the_destination_and_the_folder(tmp_path):
+    "Saving into a folder that does not exist raised FileNotFoundError naming a hidden temporary file ('.proton.pt.<hex>.tmp')."
+    from proton.deploy import replace_atomically, save_detector, save_state
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    for folder, error, why in ((tmp_path / "checkpoints", FileNotFoundError, "folder {} does not exist"),
+                               (tmp_path / "notes.txt", NotADirectoryError, "{} is not a folder")):
+        dest = folder / "proton.pt"
+        for save in (lambda: save_detector(Proton(T, CFG), dest), lambda: save_state({"x": torch.zeros(1)}, dest),
+                     lambda: replace_atomically(dest, lambda f: f.write(b"x"))):
+            with pytest.raises(error, match=f"^{re.escape(f'cannot write {dest}: ' + why.format(folder.resolve()))}$"): save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no folder made, nothing left behind

@@ -376,6 +376,8 @@ def _from_state_dict(cls, sd:dict, # a dict from `Proton.state_dict`
     if str(cfg["base_score"]).startswith("callable:"):
         if base_score is None: raise ValueError(f"state was saved with a custom base score ({cfg['base_score']}): pass it as base_score=")
         cfg["base_score"] = base_score
+    elif base_score is not None:  # the saved name wins, so the callable would be ignored without a word
+        raise ValueError(f"state was saved with base score {cfg['base_score']!r}, yet a base_score callable was given: pass one only for a state saved with a custom base score")
     text = _state_tensor(sd, "text_embeddings", "float", None, "text embeddings")
     if text.ndim != 2: raise ValueError(f"state text embeddings must have shape (C, d), got {tuple(text.shape)}")
     off = ((torch.linalg.vector_norm(text.double(), dim=1) - 1).abs() > 100 * torch.finfo(text.dtype).eps).nonzero().flatten()

@@ -406,3 +406,15 @@ def test_saving_into_a_missing_folder_names_the_destination_and_the_folder(tmp_p
                      lambda: replace_atomically(dest, lambda f: f.write(b"x"))):
             with pytest.raises(error, match=f"^{re.escape(f'cannot write {dest}: ' + why.format(folder.resolve()))}$"): save()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no folder made, nothing left behind
+
+
+def test_a_callable_base_score_for_a_state_saved_with_a_named_one_is_refused(tmp_path):
+    "load_detector(path, base_score=f) on a state saved with 'mcm' went on scoring with mcm and ignored f without a word."
+    from proton.deploy import Monitor, load_detector, load_monitor, save_detector, save_state
+    det = Proton(T, CFG); det.score(E[:40])
+    save_detector(det, tmp_path / "det.pt"); save_state(Monitor(det).state_dict(), tmp_path / "mon.pt")
+    energy = lambda z: -z.logsumexp(1)
+    for load in (lambda: Proton.from_state_dict(det.state_dict(), base_score=energy), lambda: load_detector(tmp_path / "det.pt", base_score=energy),
+                 lambda: load_monitor(tmp_path / "mon.pt", base_score=energy)):
+        with pytest.raises(ValueError, match=r"^state was saved with base score 'mcm', yet a base_score callable was given: pass one only for a state saved with a custom base score$"): load()
+    assert load_detector(tmp_path / "det.pt").config.base_score == "mcm"

@@ -8,7 +8,9 @@ __all__ = ['COMMANDS', 'info_main', 'main']
 # %% ../nbs/46_cli.ipynb
 import argparse
 import os
+import signal
 import sys
+import threading
 import warnings
 
 # %% ../nbs/46_cli.ipynb
@@ -55,6 +57,14 @@ def _parser():
     p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
     return p
 
+def _watch_ctrl_c(seen:list): # gets an entry at each Ctrl-C
+    "Have Ctrl-C note itself in `seen` before raising KeyboardInterrupt as usual; the handler to restore, or None where Ctrl-C is not Python's to handle."
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler: return None
+    def interrupt(signum, frame):
+        seen.append(signum)
+        signal.default_int_handler(signum, frame)
+    return signal.signal(signal.SIGINT, interrupt)
+
 def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -67,6 +77,8 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     if not debug:  # a warning is one line naming the command, as an error is; --debug keeps Python's, with its source line
         shown = warnings.showwarning
         warnings.showwarning = lambda message, *_, **__: print(f"{name}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    ctrl_c = []  # an error that a Ctrl-C caused (an import it cut short, which a library then reports as another error) is the Ctrl-C
+    previous = _watch_ctrl_c(ctrl_c)
     try:
         try:
             # every import in the try, torch's included (`import proton` loads none): a Ctrl-C while they load is one line too
@@ -86,7 +98,8 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
         return 141  # 128 + SIGPIPE, as a shell reports a command its pipe closed on
     except Exception as e:
         if debug: raise
-        print(f"{name}: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+        print(f"{name}: interrupted" if ctrl_c else f"{name}: error: {_one_line(e)}", file=sys.stderr)
+        return 130 if ctrl_c else 1
     finally:
         if not debug: warnings.showwarning = shown
+        if previous is not None: signal.signal(signal.SIGINT, previous)

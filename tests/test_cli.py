@@ -215,3 +215,16 @@ def test_figure1_on_a_cache_of_identical_embeddings_warns_and_writes_its_tables(
     assert "the mapped images all have the same embedding" in r.stderr
     tsne = next(tmp_path.glob("r*tsne*.csv"))
     assert set(np.loadtxt(tsne, delimiter=",", skiprows=1, usecols=(0, 1)).ravel()) == {0.0}
+
+
+def test_an_error_that_a_ctrl_c_caused_is_reported_as_the_ctrl_c(monkeypatch, capsys):
+    "A Ctrl-C during an import can surface as another error (numpy: 'cannot load module more than once per process'): exit 1 with that error, not 130."
+    import signal
+    import proton.cli as cli
+    def info(argv):
+        try: os.kill(os.getpid(), signal.SIGINT); time.sleep(1)
+        except KeyboardInterrupt: raise ImportError("cannot load module more than once per process") from None
+    import time
+    monkeypatch.setattr(cli, "info_main", info)
+    assert cli.main(["info", "c.npz"]) == 130
+    assert capsys.readouterr().err == "proton-ood info: interrupted\n"

@@ -157,7 +157,7 @@ def block_similarities(Eb:Tensor, # (B, L, d) the chunk's embeddings, by block
     growth = (onehot * torch.bmm(UU * earlier, onehot).add_(US).mul_(2).add_(uu)).double()
     size = torch.linalg.vector_norm(Sb, dim=-1).double()[:, None]
     length = (size.square() + _exclusive_cumsum(growth)).clamp_min(0).sqrt()
-    start = (size * n.double()[:, None]).sqrt()  # S_b was summed from its n unit entries: its error scales with n, not with its length
+    start = (length * n.double()[:, None]).sqrt()  # S_b was summed from its n unit entries: its error, about n eps, stays in every sum of the block
     scale = start + _exclusive_cumsum(onehot.double() * uu.double().clamp_min(0).sqrt())
     return dot / length.to(Eb.dtype).clamp_min(1e-12), scale / length.clamp_min(1e-300)
 

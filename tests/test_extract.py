@@ -824,3 +824,27 @@ def test_strict_with_dataloader_workers_is_a_one_line_error(tmp_path):
     lines = r.stderr.splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert lines[0].startswith("proton-ood extract: error: cannot read image") and lines[0].count(str(moon)) == 1, r.stderr
+
+
+def test_the_cache_records_the_text_pooling_of_a_backend_that_has_one(reference, tmp_path):
+    "FLAIR's prompts pool in two ways that give other text embeddings; the cache did not say which, so nothing could tell a cache of the other."
+    from proton.models.flair import FLAIR, load_flair_tokenizer, random_flair
+    assert reference[1].metadata["text_pooling"] is None  # open_clip has no such option
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    (vocab / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "glaucoma"]) + "\n")
+    root = tmp_path / "prepared"
+    for c in ("normal", "glaucoma"):
+        (root / "id" / c).mkdir(parents=True)
+        Image.fromarray(np.full((16, 16, 3), 9, np.uint8)).save(root / "id" / c / "0.png")
+    flair = FLAIR(random_flair(0), load_flair_tokenizer(vocab), text_pooling="padded_batch")
+    assert extract(flair, root, prompt_sets=False, num_workers=0, progress=False).metadata["text_pooling"] == "padded_batch"
+
+
+def test_text_pooling_on_the_command_line_is_refused_for_a_model_without_it(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "c.npz"
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(out), "--text-pooling", "padded_batch"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"proton-ood extract: error: --text-pooling is for flair, not {MODEL}: leave it out", err
+    assert not out.exists()

@@ -238,3 +238,48 @@ def test_one_configuration_gives_one_number_across_the_tables_on_a_cache_without
     assert len(proton) == 1 and len(mcm) == 1, (proton, mcm)
     cov = main[main["shift"] == "covariate"].groupby("method").auroc.mean().mul(100).round(1)
     assert proton == {cov["proton"]} and mcm == {cov["mcm"]}
+
+
+@pytest.fixture(scope="module")
+def flair_files(tmp_path_factory):
+    "A random FLAIR checkpoint in upstream's layout and a small vocabulary: (weights file, tokenizer folder)."
+    import torch
+    from proton.models.flair import FLAIR_WEIGHTS_FILE, random_flair
+    root = tmp_path_factory.mktemp("flair")
+    torch.save(random_flair(0).state_dict(), root / FLAIR_WEIGHTS_FILE)
+    (root / "vocab").mkdir()
+    (root / "vocab" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "fundus", "photograph", "of", "normal"]) + "\n")
+    return root / FLAIR_WEIGHTS_FILE, root / "vocab"
+
+
+def test_a_flair_cache_extracted_with_another_text_pooling_is_not_reused(tmp_path, flair_files):
+    """`proton-ood extract --model flair` could only pool FLAIR's prompts over their real tokens, and reproduce reused its cache
+    although it promises upstream's padded_batch pooling; the cache did not record the pooling, so a cache of before cannot tell it either."""
+    from proton.bench.cache import EmbeddingCache
+    from proton.cli import main
+    from proton.models.reproduce import _cache_file, domain_cache
+    weights, vocab = flair_files
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    for rel in ("id/a/0.png", "id/b/0.png", "far/far_set/0.png"):  # three tiny images: FLAIR runs at 512 px on a CPU
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        variant(skdata.retina, len(rel), side=16).save(data / rel)
+    write_classes_file(data, ("a", "b"), ("a", "b"), {"a": ["normal"], "b": ["a fundus photograph of normal"]}, benchmark="ophthalmology")
+    out = _cache_file("ophthalmology", caches, "flair")
+    cmd = ["extract", "--model", "flair", "--checkpoint", str(weights), "--tokenizer", str(vocab), "--data", str(data), "--out", str(out),
+           "--no-prompt-sets", "--workers", "0", "--device", "cpu", "--no-progress", "--keep-shards"]
+    reuse = lambda: domain_cache("ophthalmology", data, caches, "flair", weights, vocab, "cpu", progress=False)
+    assert main(cmd) == 0
+    real = EmbeddingCache.load(out)
+    assert real.metadata["text_pooling"] == "real_tokens"
+    with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* pools FLAIR's prompts as real_tokens, but the reproduction pools them as padded_batch: "
+                                         r"extract it again with --text-pooling padded_batch"):
+        reuse()
+    assert main(cmd + ["--text-pooling", "padded_batch"]) == 0
+    made = out.stat().st_mtime_ns
+    cache = reuse()[1]
+    assert out.stat().st_mtime_ns == made and cache.metadata["text_pooling"] == "padded_batch"
+    assert not np.allclose(cache.text_embeddings[0], real.text_embeddings[0], atol=1e-3)  # the short prompt pools otherwise: the option reached the model
+    del cache.metadata["text_pooling"]
+    cache.save(out)  # as a cache written before the pooling was recorded
+    with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* records no text pooling \(made before it was recorded\), but the reproduction"):
+        reuse()

@@ -40,7 +40,8 @@ import torch
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, not_utf8, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
 from ..deploy import check_writable, hold_lock, same_file
-from . import VLM, load_vlm, model_device, prompt_ensemble
+from . import VLM, check_vlm, load_vlm, model_device, prompt_ensemble
+from .flair import FLAIR_TEXT_POOLINGS
 from ..scores import plain_number
 from .vlm import _named, as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
 
@@ -683,7 +684,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
     return dict(model=vlm.name, backend=type(vlm).__qualname__, checkpoint=None if checkpoint is None else Path(checkpoint).name,
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
-                device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local,
+                device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local, text_pooling=getattr(vlm, "text_pooling", None),
                 n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
                 library_version=__version__, torch_version=torch.__version__, created=_created())
@@ -839,6 +840,8 @@ def _parser():
     p.add_argument("--no-prompt-sets", action="store_true", help="store no prompt sets, not even TAG's")
     p.add_argument("--checkpoint", default=None, help="local weights file (or folder) of the model")
     p.add_argument("--tokenizer", default=None, help="folder with the text encoder's vocab.txt (FLAIR, UniMed-CLIP)")
+    p.add_argument("--text-pooling", default=None, choices=FLAIR_TEXT_POOLINGS, help="FLAIR only: average a prompt's token states over its "
+                   "real tokens (default) or over the padded batch, as upstream's forward and the paper's numbers (what `reproduce` uses)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     p.add_argument("--workers", type=int, default=None, help="processes that decode images (default: CPUs, at most 16)")
@@ -885,7 +888,10 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         check_extract(args.data, prompts, False if args.no_prompt_sets else args.prompt_sets, args.out, args.batch_size, args.workers, args.shard_size, args.worker_share,
                       spec_weights(args.model, args.checkpoint), args.tokenizer, args.model)
         device = _join_torchrun(str(model_device(args.device)))
-        vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer)
+        if args.text_pooling is not None and check_vlm(args.model, args.checkpoint, device, args.tokenizer) != "flair":
+            raise ValueError(f"--text-pooling is for flair, not {args.model}: leave it out")
+        options = {} if args.text_pooling is None else {"text_pooling": args.text_pooling}
+        vlm = load_vlm(args.model, args.checkpoint, device=device, tokenizer=args.tokenizer, **options)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("ignore", SkippedImagesWarning)  # the summary line below says it
             try:

@@ -72,12 +72,13 @@ def domain_cache(domain:str, # a key of `DOMAINS`
                  device=None, # where the model runs; None: CUDA if available
                  amp:bool=False, # extract under float16 autocast (faster on a GPU); False: float32, as the authors run it
                  progress:bool=True): # show progress bars
-    "The domain's embedding cache: reused when its file exists, covers the folder's images (names and sizes) and was made with the same weights, else extracted (resumably, local features too)."
+    "The domain's embedding cache: reused when its file exists, covers the folder's images (names and sizes) and was made with the same weights (and FLAIR's with `REPRODUCTION_TEXT_POOLING`), else extracted (resumably, local features too)."
     model = model or DOMAINS[domain].model
     path = _cache_file(domain, caches, model)
     weights = spec_weights(model, checkpoint)  # the file extraction hashes into the cache's metadata
     if weights is not None and not Path(weights).exists(): raise FileNotFoundError(f"{domain}: no checkpoint file or folder at {weights}")
     folder = read_prepared(data)
+    options = {"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}
     if path.exists():
         cache = EmbeddingCache.load(path)
         skipped = {s["file"] for s in cache.metadata.get("skipped_files", [])}
@@ -91,8 +92,12 @@ def domain_cache(domain:str, # a key of `DOMAINS`
         if made != asked:
             raise ValueError(f"{domain}: the cache {path} was made with {_weights(cache.metadata.get('checkpoint'), made)}, but this run asks for "
                              f"{_weights(None if weights is None else Path(weights).name, asked)}: delete it or point --caches elsewhere to re-extract")
+        made, asked = cache.metadata.get("text_pooling"), options.get("text_pooling")
+        if made != asked:  # None: a cache from before the pooling was recorded, which cannot tell
+            was = f"pools FLAIR's prompts as {made}" if made else "records no text pooling (made before it was recorded)"
+            raise ValueError(f"{domain}: the cache {path} {was}, but the reproduction pools them as {asked}: extract it again with --text-pooling {asked}, "
+                             "delete it or point --caches elsewhere to re-extract")
         return path, cache
-    options = {"text_pooling": REPRODUCTION_TEXT_POOLING} if model == "flair" else {}
     vlm = load_vlm(model, checkpoint, device=model_device(device), tokenizer=tokenizer, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedImagesWarning)  # unreadable images are listed in the cache's metadata, and in the report

@@ -1,4 +1,5 @@
 """Cross-cutting tests of the VLM protocol: `load_vlm`, an open_clip model with random weights, safe and strict loading, UniMed-CLIP."""
+import math
 import pathlib
 import re
 
@@ -392,3 +393,26 @@ def test_random_weights_and_a_checkpoint_together_are_refused(tmp_path):
     from proton.models import check_vlm
     (tmp_path / "w.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"asks for random weights \('none'\)"): check_vlm("open_clip:ViT-S-32/none", tmp_path / "w.pt")
+
+
+@pytest.fixture(scope="module")
+def backends(clip, vocab):
+    "Each backend's random weights, and how a file of them is loaded."
+    from proton.models.flair import random_flair
+    return {"open_clip": (clip.model.state_dict(), lambda p: load_vlm(f"open_clip:{ARCH}", checkpoint=p)),
+            "flair": (random_flair(0).state_dict(), lambda p: load_vlm("flair", p, tokenizer=vocab)),
+            "unimed": (load_unimed("none", tokenizer=vocab, config=SMALL).model.state_dict(), lambda p: load_unimed(p, tokenizer=vocab, config=SMALL))}
+
+
+@pytest.mark.parametrize("backend", ["open_clip", "flair", "unimed"])
+def test_a_logit_scale_out_of_range_is_clamped_or_named_with_its_checkpoint(backend, backends, tmp_path):
+    "logit_scale 800 raised OverflowError and -800 ZeroDivisionError (math.exp before the clamp); inf was refused without naming the file."
+    state, load = backends[backend]
+    for value, problem in ((800., None), (-800., "-800 gives no usable temperature"), (math.inf, "logit_scale must be finite, got inf")):
+        path = tmp_path / f"{value}.pt"
+        torch.save({**state, "logit_scale": torch.full_like(state["logit_scale"], value)}, path)
+        if problem is None:
+            assert load(path).temperature == 0.01  # clamped at s = 100, as for any scale above log(100)
+            continue
+        with pytest.raises(ValueError, match=re.escape(problem)) as e: load(path)
+        assert str(path) in str(e.value) and "\n" not in str(e.value)

@@ -416,3 +416,13 @@ def test_a_logit_scale_out_of_range_is_clamped_or_named_with_its_checkpoint(back
             continue
         with pytest.raises(ValueError, match=re.escape(problem)) as e: load(path)
         assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_quiltnet_advice_leads_to_a_way_that_loads_not_round_in_a_loop(tmp_path):
+    "A folder without open_clip_config.json said 'pass the weights file instead', and that file was then refused: quiltnet needs a folder."
+    from proton.models import check_vlm
+    (tmp_path / "w.pt").write_bytes(b"")
+    for given, error in ((tmp_path, FileNotFoundError), (tmp_path / "w.pt", ValueError)):
+        with pytest.raises(error, match=re.escape("for a bare weights file use 'open_clip:ViT-B-32/<file>'")) as e: check_vlm("quiltnet", given)
+        assert "weights file instead" not in str(e.value)
+    assert check_vlm(f"open_clip:ViT-B-32/{tmp_path / 'w.pt'}") == "open_clip:ViT-B-32/" + str(tmp_path / "w.pt")

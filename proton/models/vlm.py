@@ -482,9 +482,10 @@ def check_local_weights(path:str|os.PathLike): # a weights file, or a snapshot f
 def check_quiltnet(checkpoint:str|os.PathLike|None=None): # as for `load_quiltnet`
     "One line naming what `load_quiltnet` would refuse in `checkpoint`, before anything loads."
     if checkpoint is None: return
-    if Path(checkpoint).is_file():
-        raise ValueError(f"quiltnet checkpoint must be a folder holding its Hugging Face snapshot (open_clip_config.json and weights), "
-                         f"got {str(checkpoint)!r}; for a bare weights file name the architecture: 'open_clip:<arch>/<file>'")
+    snapshot, bare = "its Hugging Face snapshot (open_clip_config.json and weights)", "for a bare weights file use 'open_clip:ViT-B-32/<file>'"
+    if Path(checkpoint).is_file(): raise ValueError(f"quiltnet checkpoint must be a folder holding {snapshot}, got {str(checkpoint)!r}; {bare}")
+    if Path(checkpoint).is_dir() and not (Path(checkpoint) / "open_clip_config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint} is a folder without open_clip_config.json: quiltnet needs {snapshot}; {bare}")  # not snapshot_weights' advice, which quiltnet refuses
     check_local_weights(checkpoint)
 
 def load_quiltnet(checkpoint:str|os.PathLike|None=None, # a folder holding QuiltNet's Hugging Face snapshot; None: download it

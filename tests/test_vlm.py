@@ -426,3 +426,16 @@ def test_quiltnet_advice_leads_to_a_way_that_loads_not_round_in_a_loop(tmp_path)
         with pytest.raises(error, match=re.escape("for a bare weights file use 'open_clip:ViT-B-32/<file>'")) as e: check_vlm("quiltnet", given)
         assert "weights file instead" not in str(e.value)
     assert check_vlm(f"open_clip:ViT-B-32/{tmp_path / 'w.pt'}") == "open_clip:ViT-B-32/" + str(tmp_path / "w.pt")
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta", "mps:0", torch.device("meta")])
+def test_a_device_torch_knows_but_cannot_use_here_is_named_before_anything_loads(device, monkeypatch):
+    "mps, xpu and meta passed model_device and failed seconds later, after the model loaded, with raw errors ('PyTorch is not linked with support for mps devices')."
+    from proton.models import model_device
+    import functools
+    monkeypatch.setattr(torch.backends.mps, "is_available", functools.cache(lambda: False))  # cached, as torch's own: torch._dynamo reads its __wrapped__
+    with pytest.raises(ValueError, match=f"the device {str(device)!r} is not available here") as e: load_vlm(f"open_clip:{ARCH}/none", device=device)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(torch.backends.mps, "is_available", functools.cache(lambda: True))
+    if torch.device(device).type == "mps": assert model_device(device) == torch.device(device)
+    assert model_device("cpu") == torch.device("cpu")

@@ -273,14 +273,16 @@ def _reset(self:Proton):
     "Forget the stream: empty the bank and the running variance."
     self.bank.clear(); self.welford = Welford(); self._set_var_ref(None)
 
-def model_device(device=None): # "cpu", "cuda", "cuda:1", a torch.device, or None: CUDA where there is one
-    "The device a model is to run on, checked before anything loads: one line for a name torch does not know, or for CUDA where there is none."
+def model_device(device=None): # "cpu", "cuda", "cuda:1", "mps", a torch.device, or None: CUDA where there is one
+    "The device a model is to run on, checked before anything loads: one line for a name torch does not know, or a device not usable here (cpu always; CUDA or MPS where there is one)."
     if device is None: return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try: d = torch.device(device)
     except (RuntimeError, TypeError): raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
     if d.type == "cuda" and not torch.cuda.is_available(): raise ValueError(f"the device {str(device)!r} was asked for, but CUDA is not available here")
     if d.type == "cuda" and d.index is not None and d.index >= (n := torch.cuda.device_count()):
         raise ValueError(f"the device {str(device)!r} was asked for, but this machine has {n} CUDA device{'s' * (n != 1)} (cuda:0{f' to cuda:{n - 1}' if n > 1 else ''})")
+    if d.type == "mps" and not torch.backends.mps.is_available(): raise ValueError(f"the device {str(device)!r} is not available here (torch.backends.mps.is_available() is False)")
+    if d.type not in ("cpu", "cuda", "mps"): raise ValueError(f"the device {str(device)!r} is not available here: use cpu, cuda or cuda:N")  # xpu, meta, ...: torch knows them, the models do not run there
     return d
 
 def _to(self:Proton, device): # "cpu", "cuda", "cuda:1" or a torch.device

@@ -607,6 +607,17 @@ def test_a_wrong_model_is_named_before_any_file_is_written(tmp_path, model, opti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 
+def test_a_checkpoint_that_fails_as_it_loads_leaves_the_folder_as_it_was(tmp_path):
+    "check_vlm finds a checkpoint's file, not its keys: a wrong one failed in load_vlm, under the lock, and left r.csv.lock behind."
+    folder = photo_folder(tmp_path / "in", broken=())
+    torch.save(torch.nn.Linear(2, 3).state_dict(), tmp_path / "w.pt")
+    for lock in (False, True):  # a lock file that was there before (an earlier run's) stays
+        if lock: (tmp_path / "r.csv.lock").touch()
+        with pytest.raises(ValueError, match="does not match the model"):
+            score_stream(folder, tmp_path / "r.csv", "open_clip:ViT-S-32/", "a,b", checkpoint=tmp_path / "w.pt", progress=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in", *["r.csv.lock"] * lock, "w.pt"]
+
+
 @pytest.mark.parametrize("name", ["C.NPZ", "cache", "c.cache"])
 def test_a_cache_is_known_by_its_content_not_only_its_suffix(tmp_path, name):
     "A cache saved under another name (extract --out takes any) is scored as a cache, not read as a file list."

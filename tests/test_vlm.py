@@ -1,4 +1,5 @@
 """Cross-cutting tests of the VLM protocol: `load_vlm`, an open_clip model with random weights, safe and strict loading, UniMed-CLIP."""
+import math
 import pathlib
 import re
 
@@ -392,3 +393,49 @@ def test_random_weights_and_a_checkpoint_together_are_refused(tmp_path):
     from proton.models import check_vlm
     (tmp_path / "w.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"asks for random weights \('none'\)"): check_vlm("open_clip:ViT-S-32/none", tmp_path / "w.pt")
+
+
+@pytest.fixture(scope="module")
+def backends(clip, vocab):
+    "Each backend's random weights, and how a file of them is loaded."
+    from proton.models.flair import random_flair
+    return {"open_clip": (clip.model.state_dict(), lambda p: load_vlm(f"open_clip:{ARCH}", checkpoint=p)),
+            "flair": (random_flair(0).state_dict(), lambda p: load_vlm("flair", p, tokenizer=vocab)),
+            "unimed": (load_unimed("none", tokenizer=vocab, config=SMALL).model.state_dict(), lambda p: load_unimed(p, tokenizer=vocab, config=SMALL))}
+
+
+@pytest.mark.parametrize("backend", ["open_clip", "flair", "unimed"])
+def test_a_logit_scale_out_of_range_is_clamped_or_named_with_its_checkpoint(backend, backends, tmp_path):
+    "logit_scale 800 raised OverflowError and -800 ZeroDivisionError (math.exp before the clamp); inf was refused without naming the file."
+    state, load = backends[backend]
+    for value, problem in ((800., None), (-800., "-800 gives no usable temperature"), (math.inf, "logit_scale must be finite, got inf")):
+        path = tmp_path / f"{value}.pt"
+        torch.save({**state, "logit_scale": torch.full_like(state["logit_scale"], value)}, path)
+        if problem is None:
+            assert load(path).temperature == 0.01  # clamped at s = 100, as for any scale above log(100)
+            continue
+        with pytest.raises(ValueError, match=re.escape(problem)) as e: load(path)
+        assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_quiltnet_advice_leads_to_a_way_that_loads_not_round_in_a_loop(tmp_path):
+    "A folder without open_clip_config.json said 'pass the weights file instead', and that file was then refused: quiltnet needs a folder."
+    from proton.models import check_vlm
+    (tmp_path / "w.pt").write_bytes(b"")
+    for given, error in ((tmp_path, FileNotFoundError), (tmp_path / "w.pt", ValueError)):
+        with pytest.raises(error, match=re.escape("for a bare weights file use 'open_clip:ViT-B-32/<file>'")) as e: check_vlm("quiltnet", given)
+        assert "weights file instead" not in str(e.value)
+    assert check_vlm(f"open_clip:ViT-B-32/{tmp_path / 'w.pt'}") == "open_clip:ViT-B-32/" + str(tmp_path / "w.pt")
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta", "mps:0", torch.device("meta")])
+def test_a_device_torch_knows_but_cannot_use_here_is_named_before_anything_loads(device, monkeypatch):
+    "mps, xpu and meta passed model_device and failed seconds later, after the model loaded, with raw errors ('PyTorch is not linked with support for mps devices')."
+    from proton.models import model_device
+    import functools
+    monkeypatch.setattr(torch.backends.mps, "is_available", functools.cache(lambda: False))  # cached, as torch's own: torch._dynamo reads its __wrapped__
+    with pytest.raises(ValueError, match=f"the device {str(device)!r} is not available here") as e: load_vlm(f"open_clip:{ARCH}/none", device=device)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(torch.backends.mps, "is_available", functools.cache(lambda: True))
+    if torch.device(device).type == "mps": assert model_device(device) == torch.device(device)
+    assert model_device("cpu") == torch.device("cpu")

@@ -151,11 +151,15 @@ class Results:
 
     @contextlib.contextmanager
     def lock(self):
-        "Hold `<out>.lock` while a run reads and appends: a second run on the same results stops instead of interleaving rows (POSIX)."
+        "Hold `<out>.lock` while a run reads and appends: a second run on the same results stops instead of interleaving rows (POSIX); a run that fails removes the lock file it created."
+        created = not self.lock_path.exists()
         with contextlib.ExitStack() as held:
             try: held.enter_context(hold_lock(self.lock_path))
             except BlockingIOError: raise ValueError(f"another run is writing {self.out} (it holds {self.lock_path.name}); wait for it to end, or choose another --out") from None
-            yield
+            try: yield
+            except BaseException:
+                if created: self.lock_path.unlink(missing_ok=True)  # still held, so no other run's: one that opened it finds it gone and locks a new file (`hold_lock`)
+                raise
 
     def _committed(self, saved:dict):
         "(the committed bytes of the CSV file or the journal, b'' if it is gone; their SHA-256), refused unless it is the one the state names."
@@ -378,7 +382,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         if vlm is None: raise ValueError("scoring images needs a model (--model); only an embedding cache needs none")
         if isinstance(vlm, str):
             from proton.models import check_vlm
-            check_vlm(vlm, checkpoint, device, tokenizer)  # before the lock and the state: a model that cannot load leaves no file
+            check_vlm(vlm, checkpoint, device, tokenizer)  # before the lock and the state: a model that cannot load leaves no file (one that fails as it loads, a lock `Results.lock` removes)
         paths, prompt_map, device = list_images(source, order), class_prompts_from(classes, prompts), model_device(device)
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()

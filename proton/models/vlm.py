@@ -31,10 +31,12 @@ from ..scores import as_unit_rows, check_temperature
 MAX_LOGIT_SCALE = 100.  # CLIP-style training clamps the learnt scale here
 
 def temperature_from_logit_scale(logit_scale:float|Tensor): # the model's learnt `logit_scale`, i.e. log s
-    "Softmax temperature τ = 1/min(exp(logit_scale), 100)."
+    "Softmax temperature τ = 1/min(exp(logit_scale), 100): a `ValueError` unless it is one that `check_temperature` accepts."
     v = float(logit_scale)
     if not math.isfinite(v): raise ValueError(f"logit_scale must be finite, got {v}")
-    return 1 / min(math.exp(v), MAX_LOGIT_SCALE)
+    s = math.exp(min(v, math.log(MAX_LOGIT_SCALE)))  # clamped before exp, which would overflow; 0 when it underflows
+    try: return check_temperature(1 / min(s, MAX_LOGIT_SCALE) if s > 0 else math.inf)
+    except ValueError as e: raise ValueError(f"logit_scale {v:g} gives no usable temperature: {e}") from None
 
 # %% ../../nbs/40_vlm.ipynb
 def to_8_bits(grey:np.ndarray): # (H, W) integer image wider than 8 bits, e.g. a 12- or 16-bit scan
@@ -299,7 +301,7 @@ def load_weights(path:str|os.PathLike): # a safetensors file, or a torch checkpo
 def load_state_strict(module:torch.nn.Module, # the model to fill
                       state_dict:dict, # parameter name -> tensor
                       what:str="checkpoint"): # what the weights are, used in error messages
-    "Load `state_dict` into `module`, refusing missing, unexpected or misshapen keys by name."
+    "Load `state_dict` into `module`, refusing missing, unexpected or misshapen keys by name, and a `logit_scale` that gives no temperature."
     own = module.state_dict()
     missing = [k for k in own if k not in state_dict]
     extra = [k for k in state_dict if k not in own]
@@ -309,6 +311,10 @@ def load_state_strict(module:torch.nn.Module, # the model to fill
                 f"{len(extra)} unexpected keys {extra[:8]}" if extra else "",
                 f"{len(shapes)} shape mismatches (file vs model) {shapes[:8]}" if shapes else ""]
     if any(problems): raise ValueError(f"{what} does not match the model: " + "; ".join(p for p in problems if p))
+    scale = state_dict.get("logit_scale")
+    if scale is not None and not scale.is_meta:  # a meta tensor has no value to check
+        try: temperature_from_logit_scale(scale)
+        except ValueError as e: raise ValueError(f"{what}: {e}") from None
     module.load_state_dict(state_dict, strict=True)
     return module
 
@@ -476,9 +482,10 @@ def check_local_weights(path:str|os.PathLike): # a weights file, or a snapshot f
 def check_quiltnet(checkpoint:str|os.PathLike|None=None): # as for `load_quiltnet`
     "One line naming what `load_quiltnet` would refuse in `checkpoint`, before anything loads."
     if checkpoint is None: return
-    if Path(checkpoint).is_file():
-        raise ValueError(f"quiltnet checkpoint must be a folder holding its Hugging Face snapshot (open_clip_config.json and weights), "
-                         f"got {str(checkpoint)!r}; for a bare weights file name the architecture: 'open_clip:<arch>/<file>'")
+    snapshot, bare = "its Hugging Face snapshot (open_clip_config.json and weights)", "for a bare weights file use 'open_clip:ViT-B-32/<file>'"
+    if Path(checkpoint).is_file(): raise ValueError(f"quiltnet checkpoint must be a folder holding {snapshot}, got {str(checkpoint)!r}; {bare}")
+    if Path(checkpoint).is_dir() and not (Path(checkpoint) / "open_clip_config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint} is a folder without open_clip_config.json: quiltnet needs {snapshot}; {bare}")  # not snapshot_weights' advice, which quiltnet refuses
     check_local_weights(checkpoint)
 
 def load_quiltnet(checkpoint:str|os.PathLike|None=None, # a folder holding QuiltNet's Hugging Face snapshot; None: download it

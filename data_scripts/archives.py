@@ -175,8 +175,8 @@ class View:
         self.members = {}
         for member in container.members():
             parts = member.split("/")
-            # a name starting with '.' is a hidden file (macOS's '._' copies among them), which read_prepared skips too
-            if parts[-1] in SKIPPED_FILES or parts[-1].startswith(".") or "__MACOSX" in parts:
+            # a name starting with '.' is hidden (macOS's '._' copies among them), in a hidden folder too, as read_prepared skips them; './' is no folder
+            if parts[-1] in SKIPPED_FILES or any(p.startswith(".") and p not in (".", "..") for p in parts) or "__MACOSX" in parts:
                 continue
             match = regex.search(member)
             if match:

@@ -1276,6 +1276,13 @@ def test_a_hidden_file_in_a_source_is_not_drawn(tmp_path):
     assert list(read_prepared(tmp_path / "out").files) == ["id/a/2.png", "id/a/3.png"]
 
 
+def test_a_file_in_a_hidden_folder_is_not_drawn_and_a_dot_slash_prefix_is_no_hidden_folder(tmp_path):
+    "read_prepared skips any hidden part of a path: a file in a hidden folder (.ipynb_checkpoints/) was drawn and written visibly, beside its original."
+    files = {"./x/1.png": image_bytes("PNG", 1), "./x/.ipynb_checkpoints/2.png": image_bytes("PNG", 2), "./x/p/3.png": image_bytes("PNG", 3)}
+    view = archives.View(archives.open_container(make_tgz(tmp_path / "s.tar.gz", files)), r"x/(?:.*/)?[^/]+\.png")
+    assert view.keys == ["x/1.png", "x/p/3.png"]
+
+
 def test_a_corrupt_image_in_a_source_is_named(tmp_path):
     view = archives.View(archives.open_container(make_dir(tmp_path / "d", {"x/1.png": b"version https://git-lfs"})), r"x/[^/]+\.png")
     bench = common.Benchmark("t", ("a",), ("a",), "{}", {"v": ((), None)},

@@ -172,12 +172,12 @@ def loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, sha
     return counted / (time.perf_counter() - t) if t is not None and counted else float("nan")
 
 
-def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device, repeats, scratch, share=0):
+def end_to_end(vlm, folder, half, n, n_half, batch_size, workers, amp, on_device, repeats, scratch, share=0, shard_size=256):
     "Images per second of `extract` (best of `repeats`, after an untimed call): the whole call, and at steady state (all files minus the first half; NaN if no run on all files was slower than the one on half)."
     def timed(data, count, r):
         out = Path(scratch, f"cache_{r}.npz")
         t = time.perf_counter()
-        cache = extract(vlm, data, out=out, batch_size=batch_size, num_workers=workers, shard_size=max(256, batch_size),
+        cache = extract(vlm, data, out=out, batch_size=batch_size, num_workers=workers, shard_size=max(shard_size, batch_size),
                         amp=amp, decode_on_device=on_device, worker_share=share, resume=False, progress=False)
         elapsed = time.perf_counter() - t
         assert len(cache) == count
@@ -234,11 +234,11 @@ def stages():
         for owner, name, f in saved: setattr(owner, name, f)
 
 
-def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch, share=0):
+def breakdown(vlm, folder, n, batch_size, workers, amp, on_device, scratch, share=0, shard_size=256):
     "One `extract` on all files, timed stage by stage: {thread: {stage: seconds}}, and the whole call's seconds."
     with stages() as seconds:
         start = time.perf_counter()
-        extract(vlm, folder, out=Path(scratch, "breakdown.npz"), batch_size=batch_size, num_workers=workers, shard_size=max(256, batch_size),
+        extract(vlm, folder, out=Path(scratch, "breakdown.npz"), batch_size=batch_size, num_workers=workers, shard_size=max(shard_size, batch_size),
                 amp=amp, decode_on_device=on_device, worker_share=share, resume=False, progress=False)
         total = time.perf_counter() - start
     Path(scratch, "breakdown.npz").unlink()
@@ -275,6 +275,7 @@ def main(argv=None):
     p.add_argument("--models", type=names("flair", "vit-b-32"), default="flair,vit-b-32", help="comma-separated: flair, vit-b-32")
     p.add_argument("--paths", type=names("workers", "device"), default="workers,device", help="comma-separated decoding paths: workers, device")
     p.add_argument("--worker-shares", type=shares, default="0", help="comma-separated worker_share values timed on the device path (default 0)")
+    p.add_argument("--shard-size", type=positive, default=256, help="images per shard of the end-to-end runs (default 256, extract's; at least the batch size)")
     p.add_argument("--amp", action="store_true", help="forward passes under float16 autocast (extract's amp=True); default float32")
     p.add_argument("--flair-checkpoint", default=None, help="time the released flair_resnet.pth instead of random weights")
     p.add_argument("--flair-tokenizer", default=None, help="folder with Bio_ClinicalBERT's vocab.txt (with --flair-checkpoint)")
@@ -312,17 +313,17 @@ def main(argv=None):
             for path in args.paths:
                 on_device, why = (None, "") if path == "workers" else device_preprocessing(vlm)
                 row = dict(model=label, weights=weights, files=files, path=path, precision=precision, device=str(device), images=n,
-                           batch_size=batch_size, workers=workers, forward_only=fwd)
+                           batch_size=batch_size, shard_size=max(args.shard_size, batch_size), workers=workers, forward_only=fwd)
                 if path == "device" and on_device is None:
                     rows.append(row | dict(refused=why)); continue
                 for share in args.worker_shares if path == "device" else [0]:
                     name = path if share == 0 else f"{path} {share:g}w"  # the workers decode a share of the files all the same
                     load = loader_only(vlm, folder, batch_size, workers, on_device, warmup_batches, share)
-                    whole, steady = end_to_end(vlm, folder, half, n, n_half, batch_size, workers, args.amp, path == "device", repeats, scratch, share)
+                    whole, steady = end_to_end(vlm, folder, half, n, n_half, batch_size, workers, args.amp, path == "device", repeats, scratch, share, args.shard_size)
                     rows.append(row | dict(path=name, worker_share=share, loader_only=load, end_to_end=whole, end_to_end_steady=steady,
                                            loader_ratio=load / fwd, ratio=whole / fwd, steady_ratio=steady / fwd))
                     if args.breakdown:
-                        rows[-1]["breakdown"], total = breakdown(vlm, folder, n, batch_size, workers, args.amp, path == "device", scratch, share)
+                        rows[-1]["breakdown"], total = breakdown(vlm, folder, n, batch_size, workers, args.amp, path == "device", scratch, share, args.shard_size)
                         print(f"  {name}: where one end-to-end run of {total:.2f} s spends its time, per thread (seconds; threads overlap)")
                         for thread, by_stage in rows[-1]["breakdown"].items():
                             for stage, t in by_stage.items(): print(f"    {thread:<8}{stage:<34}{t:>8.2f}")

@@ -228,3 +228,37 @@ def test_an_error_that_a_ctrl_c_caused_is_reported_as_the_ctrl_c(monkeypatch, ca
     monkeypatch.setattr(cli, "info_main", info)
     assert cli.main(["info", "c.npz"]) == 130
     assert capsys.readouterr().err == "proton-ood info: interrupted\n"
+
+
+def without(blocked, *args):
+    "`proton-ood ARGS` in a process where the modules `blocked` cannot be imported, as on an install without the extra that brings them."
+    code = f"import sys\nfor m in {list(blocked)!r}: sys.modules[m] = None\nfrom proton.cli import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+
+
+EXTRAS = ("PIL", "open_clip", "transformers", "torchvision", "safetensors", "pandas", "matplotlib", "seaborn", "pydicom", "h5py", "pooch", "pytorch_ood", "skimage")
+
+
+@pytest.mark.parametrize("command", ["evaluate", "extract", "score", "reproduce", "info"])
+def test_every_command_shows_its_help_on_a_core_install(command):
+    r = without(EXTRAS, command, "--help")
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: proton-ood {command}"), r.stderr
+
+
+def test_a_cache_is_scored_on_a_core_install_and_an_image_folder_names_the_extra(tmp_path):
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
+    r = without(EXTRAS, "score", str(path), "--out", str(tmp_path / "s.csv"), "--no-progress")
+    assert r.returncode == 0 and len((tmp_path / "s.csv").read_text().splitlines()) == 61, r.stderr
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    r = without(EXTRAS, "score", str(tmp_path / "images"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b", "--out", str(tmp_path / "t.csv"), "--no-progress")
+    assert one_line_error(r) and 'pip install "proton-ood[vlm]"' in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("missing", ["pandas", "matplotlib"])
+def test_reproduce_names_the_plot_extra_before_any_extraction(tmp_path, missing):
+    (tmp_path / "data" / "ophthalmology").mkdir(parents=True)
+    r = without([missing], "reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "report"), "--model", "open_clip:ViT-S-32/none", "--no-progress")
+    assert one_line_error(r) and 'pip install "proton-ood[plot]"' in r.stderr, r.stderr
+    assert not (tmp_path / "report").exists()

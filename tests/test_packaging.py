@@ -38,3 +38,23 @@ def test_the_sdist_builds_a_wheel_with_the_library_and_its_command(tmp_path):
         entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert f"Version: {version}" in z.read(meta).decode() and "proton-ood = proton.cli:main" in z.read(entry).decode()
     assert {"proton/__init__.py", "proton/cli.py", "proton/models/extract.py", "proton/bench/cache.py"} <= set(names)
+
+
+def third_party_imports(path):
+    "The top-level names of every module `path` imports, at any depth of its code, other than the standard library's and proton's."
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import): found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module: found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"proton"}
+
+
+def test_the_core_and_the_openood_post_processor_need_only_the_core_requirements():
+    "`pip install proton-ood` alone runs the detector, its deployment tools, the command's dispatch and the OpenOOD-style post-processor (pytorch-ood's detector is the interop extra's; OpenOOD is there when one runs in it)."
+    module = {"numpy": "numpy", "torch": "torch", "scikit-learn": "sklearn", "tqdm": "tqdm"}  # distribution -> the module it installs
+    line = next(l for l in (ROOT / "settings.ini").read_text().splitlines() if l.startswith("requirements"))
+    core = {module[r.split(">")[0].split("=")[0].split("<")[0].strip()] for r in line.split("=", 1)[1].split()}
+    for name in ("__init__", "scores", "bank", "proto", "fusion", "detector", "engine", "metrics", "deploy", "interop", "cli"):
+        needed = third_party_imports(ROOT / "proton" / f"{name}.py") - ({"pytorch_ood", "openood"} if name == "interop" else set())
+        assert needed <= core, f"proton/{name}.py imports {sorted(needed - core)}, not among the core requirements"

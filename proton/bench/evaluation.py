@@ -42,9 +42,8 @@ def import_pandas():
     return pandas
 
 def import_tqdm():
-    "tqdm's progress bar, off when the environment sets TQDM_DISABLE (as the book's build does); or a message how to install it."
-    try: from tqdm.auto import tqdm
-    except ImportError as e: raise ImportError('the evaluation bench shows tqdm progress bars: pip install "proton-ood[plot]"') from e
+    "tqdm's progress bar, off when the environment sets TQDM_DISABLE (as the book's build does)."
+    from tqdm.auto import tqdm
     quiet = bool(os.environ.get("TQDM_DISABLE"))
     return lambda *args, disable=False, **kwargs: tqdm(*args, disable=disable or quiet, **kwargs)
 

@@ -329,6 +329,12 @@ def write_report(out:Path, # the report folder
     return out / "report.md"
 
 # %% ../../nbs/45_reproduce.ipynb
+def _check_report_needs():
+    "Refuse a machine that cannot write the report: its tables need pandas, its figures matplotlib."
+    import_pandas()
+    try: import matplotlib
+    except ImportError: raise ImportError('the report\'s figures need matplotlib: pip install "proton-ood[plot]"') from None
+
 def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/, radiology/, pathology/ (any subset)
               out, # the report folder to write
               caches=None, # the folder of the caches; None: <out>/caches
@@ -343,6 +349,7 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
     data, out = Path(data), Path(out)
     present = [d for d in DOMAINS if (data / d).is_dir()]
     if not present: raise ValueError(f"no prepared folder in {data}: expected one or more of {', '.join(DOMAINS)} (the data scripts write them)")
+    _check_report_needs()  # before any domain spends an hour extracting
     caches = Path(caches) if caches else out / "caches"
     spec = lambda d: (_spec(models, d, "models") or DOMAINS[d].model, _spec(checkpoints, d, "checkpoints"), _spec(tokenizers, d, "tokenizers"))
     reused = {}

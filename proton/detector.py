@@ -79,7 +79,7 @@ class Proton:
         self.config = ProtonConfig() if config is None else config
         if not isinstance(self.config, ProtonConfig): raise TypeError(f"config must be a ProtonConfig, got {type(config).__name__}")
         if device is None and isinstance(text_embeddings, Tensor): device = text_embeddings.device
-        dtype = compute_dtype(text_embeddings, dtype)
+        dtype = compute_dtype(text_embeddings, dtype, "text embeddings")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"a detector can compute in float32 or float64, not {dtype}; half-precision embeddings are upcast to float32")
         self.text = as_unit_rows(text_embeddings, dtype=dtype, device=device, name="text embeddings")

@@ -73,10 +73,11 @@ def as_unit_rows(x, # (N, d) or (d,) vectors, numpy or torch
 
 # %% ../nbs/10_scores.ipynb
 def compute_dtype(x, # numpy array, torch tensor or nested list
-                  dtype:torch.dtype|None=None): # an explicit choice, which wins
+                  dtype:torch.dtype|None=None, # an explicit choice, which wins
+                  name:str="input"): # what `x` is, used in error messages
     "The floating dtype to compute in: `dtype` if given, else float64 for float64 input and float32 for anything else."
     if dtype is not None: return dtype
-    src = x.dtype if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x)[:0]).dtype
+    src = as_tensor(x, name=name, check_finite=False).dtype  # what is no numeric array is named here, in one line
     return torch.float64 if src == torch.float64 else torch.float32
 
 # %% ../nbs/10_scores.ipynb

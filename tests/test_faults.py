@@ -145,6 +145,13 @@ def test_bad_text_embeddings():
     with pytest.raises(ValueError, match="text embeddings rows \\[1\\] have zero length"): Proton(np.array([[1.0, 0], [0, 0]]))
 
 
+@pytest.mark.parametrize("text, got", [(None, "NoneType"), ("abc", "str"), ([[1., 0.], [1.]], "list"),
+                                       (np.eye(2, dtype=object), "ndarray of dtype object")])
+def test_text_embeddings_that_are_no_numeric_array_are_named_in_one_line(text, got):
+    "`Proton(text)` met numpy's IndexError or torch's TypeError in `compute_dtype` before the text embeddings were checked."
+    with pytest.raises(ValueError, match=rf"^text embeddings must be a numeric array or tensor, got {got}$"): Proton(text)
+
+
 def test_empty_batch():
     det = Proton(T, CFG)
     for empty in (np.zeros((0, 16)), torch.zeros(0, 16), []):

@@ -350,8 +350,8 @@ def _check_state(self:Proton, sd):
     if "prototypes" not in sd: return bank, counts, None, Welford(int(n), mean, m2), learned
     prototypes = _state_tensor(sd, "prototypes", "float", (C, d), "prototypes").to(like)
     sums = bank.sum(1)
-    expected = sums / torch.linalg.vector_norm(sums, dim=1, keepdim=True).clamp_min(1e-12)
-    if not torch.allclose(prototypes, expected, atol=1e3 * eps):
+    off = torch.linalg.vector_norm(prototypes * torch.linalg.vector_norm(sums, dim=1, keepdim=True).clamp_min(1e-12) - sums, dim=1)
+    if (off > 1e3 * eps * counts).any() or (torch.linalg.vector_norm(prototypes, dim=1) > 1 + 100 * eps).any():  # compared as sums: adding n unit rows in another order moves the sum by about n eps, whatever its length
         raise ValueError("state prototypes are not the normalised sums of their queues")
     return bank, counts, prototypes, Welford(int(n), mean, m2), learned
 

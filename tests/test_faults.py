@@ -187,6 +187,26 @@ def test_corrupt_state_is_refused(key, value, message):
     assert same_state(snapshot(target), before)
 
 
+def test_a_one_image_state_whose_queue_nearly_cancels_reloads():
+    "The one-image path sums a queue in another order than the load check did: a queue whose mean nearly cancels was refused on reload."
+    d, M = 512, 100
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(M // 2, d)); X /= np.linalg.norm(X, axis=1, keepdims=True)
+    u = rng.normal(size=d); u /= np.linalg.norm(u)
+    E = np.concatenate([X + 1e-6 * u, -X + 1e-6 * u])[rng.permutation(M)].astype(np.float32)  # the queue's mean: about 1e-6 u
+    det = Proton(rng.normal(size=(1, d)).astype(np.float32), ProtonConfig(bank_size=M, k_min=1))
+    for e in E: det.score(e)
+    assert torch.equal(Proton.from_state_dict(det.state_dict()).bank.prototypes, det.bank.prototypes)
+
+
+@pytest.mark.parametrize("change", [lambda p: p.roll(1, 1), lambda p: p * 0.99, lambda p: p.index_fill(0, torch.tensor([0]), 0),
+                                    lambda p: torch.nn.functional.normalize(p + 1e-3 * torch.ones_like(p))])
+def test_a_prototype_that_is_not_its_queues_normalised_sum_is_refused(change):
+    det = Proton(T, CFG); det.score(E[:60])
+    sd = det.state_dict(); sd["prototypes"] = change(sd["prototypes"])
+    with pytest.raises(ValueError, match="state prototypes are not the normalised sums of their queues"): Proton(T, CFG).load_state_dict(sd)
+
+
 def test_state_from_another_configuration_is_refused():
     sd = Proton(T, CFG).state_dict()
     with pytest.raises(ValueError, match=r"bank_size=10 \(here 100\)"): Proton(T, ProtonConfig(temperature=0.2, k_min=2)).load_state_dict(sd)

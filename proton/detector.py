@@ -129,7 +129,8 @@ def class_indices(values, # classes, one per image: an integer array, tensor or 
     "`values` as a 1-D long tensor of classes in [0, C) (on `values`' device), or a `ValueError` naming the problem."
     r = values.detach() if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
     if r.numel() and (r.is_floating_point() or r.is_complex() or r.dtype == torch.bool): raise ValueError(f"{what} must be integers, got dtype {r.dtype}")
-    r = r.reshape(-1).long()
+    if r.ndim != 1: raise ValueError(f"{what} must have shape ({'N' if n is None else n},), got {tuple(r.shape)}")  # a (2, 2) array is no list of 4 classes
+    r = r.long()
     if n is not None and len(r) != n: raise ValueError(f"{what} must hold one class per image ({n}), got {len(r)}")
     if len(r) and (r.min() < 0 or r.max() >= n_classes):
         raise ValueError(f"{what} must lie in [0, {n_classes}), got [{r.min().item()}, {r.max().item()}]")
@@ -230,7 +231,9 @@ def _score(self:Proton,
         self._learn_var_ref()
         return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
-    if base is not None: base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores").reshape(-1)
+    if base is not None:
+        base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
+        if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")  # a (2, 2) array is no 4 scores
     if routed is not None: routed = self._check_routed(routed, len(X))
     saved = self._snapshot()
     try:

@@ -152,6 +152,15 @@ def test_text_embeddings_that_are_no_numeric_array_are_named_in_one_line(text, g
     with pytest.raises(ValueError, match=rf"^text embeddings must be a numeric array or tensor, got {got}$"): Proton(text)
 
 
+@pytest.mark.parametrize("arg, value", [("base", np.zeros((2, 2))), ("routed", np.zeros((2, 2), dtype=int)), ("routed", np.zeros((4, 1), dtype=int))])
+def test_base_scores_or_routed_classes_of_more_than_one_dimension_are_refused(arg, value):
+    "`base=` and `routed=` of shape (2, 2) for four images were flattened into four values without a word."
+    det = Proton(T, CFG)
+    name = {"base": "base scores", "routed": "routed classes"}[arg]
+    with pytest.raises(ValueError, match=rf"^{name} must have shape \(4,\), got {re.escape(str(value.shape))}$"): det.score(E[:4], **{arg: value})
+    assert det.welford.n == 0
+
+
 def test_empty_batch():
     det = Proton(T, CFG)
     for empty in (np.zeros((0, 16)), torch.zeros(0, 16), []):

@@ -78,10 +78,12 @@ class Proton:
                  temperature:float|None=None): # τ the model or cache supplies; `config.temperature`, if set, wins
         self.config = ProtonConfig() if config is None else config
         if not isinstance(self.config, ProtonConfig): raise TypeError(f"config must be a ProtonConfig, got {type(config).__name__}")
-        if device is None and isinstance(text_embeddings, Tensor): device = text_embeddings.device
+        if device is not None: device = model_device(device)  # checked as `to` checks it
+        elif isinstance(text_embeddings, Tensor): device = text_embeddings.device
         dtype = compute_dtype(text_embeddings, dtype, "text embeddings")
         if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"a detector can compute in float32 or float64, not {dtype}; half-precision embeddings are upcast to float32")
+            kind = "" if isinstance(dtype, torch.dtype) else f" (a {type(dtype).__name__}, not a torch.dtype)"
+            raise ValueError(f"a detector can compute in float32 or float64, not {dtype!r}{kind}; half-precision embeddings are upcast to float32")
         self.text = as_unit_rows(text_embeddings, dtype=dtype, device=device, name="text embeddings")
         if len(self.text) == 0: raise ValueError("text embeddings must hold at least one class, got shape (0, d)")
         self.base_fn = get_base_score(self.config.base_score)

@@ -161,6 +161,14 @@ def test_base_scores_or_routed_classes_of_more_than_one_dimension_are_refused(ar
     assert det.welford.n == 0
 
 
+@pytest.mark.parametrize("kw, message", [(dict(device="gpu"), "unknown device 'gpu': use cpu, cuda or cuda:N"),
+                                         (dict(dtype="float32"), "a detector can compute in float32 or float64, not 'float32' (a str, not a torch.dtype)")]
+                         + [(dict(device="cuda"), "the device 'cuda' was asked for, but CUDA is not available here")] * (not torch.cuda.is_available()))
+def test_the_constructors_device_and_dtype_are_checked_as_to_checks_them(kw, message):
+    "`Proton(T, device=...)` met torch's raw errors, and dtype='float32' was refused as 'not float32'."
+    with pytest.raises(ValueError, match="^" + re.escape(message)): Proton(T, **kw)
+
+
 def test_empty_batch():
     det = Proton(T, CFG)
     for empty in (np.zeros((0, 16)), torch.zeros(0, 16), []):

@@ -66,7 +66,7 @@ def as_rows(x, # (N, d) or (d,) vectors, numpy or torch
         if rows(too_big): raise ValueError(f"{name} rows {rows(too_big)} hold values too large for {t.dtype}")
         raise ValueError(f"{name} rows {rows(bad)} are too long to normalise in {t.dtype}: their length overflows; scale them down")
     short = (norms < MIN_NORM).nonzero().flatten()[:5].tolist()
-    raise ValueError(f"{name} rows {short} have zero length and cannot be L2-normalised")
+    raise ValueError(f"{name} rows {short} have zero length or a length below {MIN_NORM:g} (MIN_NORM), and cannot be L2-normalised")
 
 def as_unit_rows(x, # (N, d) or (d,) vectors, numpy or torch
                  dim:int|None=None, # expected d; None accepts any

@@ -169,6 +169,13 @@ def test_the_constructors_device_and_dtype_are_checked_as_to_checks_them(kw, mes
     with pytest.raises(ValueError, match="^" + re.escape(message)): Proton(T, **kw)
 
 
+def test_rows_shorter_than_min_norm_are_not_called_zero_length():
+    "Rows of length 1e-13 were refused as having 'zero length'."
+    tiny = np.full((2, 16), 2.5e-14)
+    for call in (lambda: Proton(T).score(tiny), lambda: Proton(tiny)):
+        with pytest.raises(ValueError, match=r"rows \[0, 1\] have zero length or a length below 1e-12 \(MIN_NORM\)"): call()
+
+
 def test_empty_batch():
     det = Proton(T, CFG)
     for empty in (np.zeros((0, 16)), torch.zeros(0, 16), []):

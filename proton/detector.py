@@ -78,10 +78,12 @@ class Proton:
                  temperature:float|None=None): # τ the model or cache supplies; `config.temperature`, if set, wins
         self.config = ProtonConfig() if config is None else config
         if not isinstance(self.config, ProtonConfig): raise TypeError(f"config must be a ProtonConfig, got {type(config).__name__}")
-        if device is None and isinstance(text_embeddings, Tensor): device = text_embeddings.device
-        dtype = compute_dtype(text_embeddings, dtype)
+        if device is not None: device = model_device(device)  # checked as `to` checks it
+        elif isinstance(text_embeddings, Tensor): device = text_embeddings.device
+        dtype = compute_dtype(text_embeddings, dtype, "text embeddings")
         if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"a detector can compute in float32 or float64, not {dtype}; half-precision embeddings are upcast to float32")
+            kind = "" if isinstance(dtype, torch.dtype) else f" (a {type(dtype).__name__}, not a torch.dtype)"
+            raise ValueError(f"a detector can compute in float32 or float64, not {dtype!r}{kind}; half-precision embeddings are upcast to float32")
         self.text = as_unit_rows(text_embeddings, dtype=dtype, device=device, name="text embeddings")
         if len(self.text) == 0: raise ValueError("text embeddings must hold at least one class, got shape (0, d)")
         self.base_fn = get_base_score(self.config.base_score)
@@ -129,7 +131,8 @@ def class_indices(values, # classes, one per image: an integer array, tensor or 
     "`values` as a 1-D long tensor of classes in [0, C) (on `values`' device), or a `ValueError` naming the problem."
     r = values.detach() if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
     if r.numel() and (r.is_floating_point() or r.is_complex() or r.dtype == torch.bool): raise ValueError(f"{what} must be integers, got dtype {r.dtype}")
-    r = r.reshape(-1).long()
+    if r.ndim != 1: raise ValueError(f"{what} must have shape ({'N' if n is None else n},), got {tuple(r.shape)}")  # a (2, 2) array is no list of 4 classes
+    r = r.long()
     if n is not None and len(r) != n: raise ValueError(f"{what} must hold one class per image ({n}), got {len(r)}")
     if len(r) and (r.min() < 0 or r.max() >= n_classes):
         raise ValueError(f"{what} must lie in [0, {n_classes}), got [{r.min().item()}, {r.max().item()}]")
@@ -230,7 +233,9 @@ def _score(self:Proton,
         self._learn_var_ref()
         return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
-    if base is not None: base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores").reshape(-1)
+    if base is not None:
+        base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
+        if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")  # a (2, 2) array is no 4 scores
     if routed is not None: routed = self._check_routed(routed, len(X))
     saved = self._snapshot()
     try:
@@ -350,8 +355,8 @@ def _check_state(self:Proton, sd):
     if "prototypes" not in sd: return bank, counts, None, Welford(int(n), mean, m2), learned
     prototypes = _state_tensor(sd, "prototypes", "float", (C, d), "prototypes").to(like)
     sums = bank.sum(1)
-    expected = sums / torch.linalg.vector_norm(sums, dim=1, keepdim=True).clamp_min(1e-12)
-    if not torch.allclose(prototypes, expected, atol=1e3 * eps):
+    off = torch.linalg.vector_norm(prototypes * torch.linalg.vector_norm(sums, dim=1, keepdim=True).clamp_min(1e-12) - sums, dim=1)
+    if (off > 1e3 * eps * counts).any() or (torch.linalg.vector_norm(prototypes, dim=1) > 1 + 100 * eps).any():  # compared as sums: adding n unit rows in another order moves the sum by about n eps, whatever its length
         raise ValueError("state prototypes are not the normalised sums of their queues")
     return bank, counts, prototypes, Welford(int(n), mean, m2), learned
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .scores import MIN_NORM, classify, zero_shot_logits
+from .scores import MIN_NORM, NUMPY_FLOATS, classify, zero_shot_logits
 from .bank import PrototypeBank, passes_gate
 from .fusion import MAX_BASE, Welford, adaptive_fusion
 
@@ -290,6 +290,7 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     try: v = np.asarray(x)
     except (TypeError, ValueError): return None  # a ragged list or a tuple: the general path names it
     if v.shape not in shapes or v.dtype.kind != "f": return None
+    if v.dtype.type not in NUMPY_FLOATS: v = v.astype(np.float64)  # long double, rounded as `as_tensor` rounds it
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
     row = torch.from_numpy(v)[None]
     n = torch.linalg.vector_norm(row, dim=1)  # the tensor paths' length to the last bit: the bank keeps the row they keep

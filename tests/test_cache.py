@@ -436,6 +436,8 @@ def test_what_the_detector_would_refuse_is_refused_at_construction():
     "Zero-length rows, two classes with the same text embedding, or no images at all fail later; they fail here instead."
     E = small().image_embeddings.copy(); E[4] = 0
     with pytest.raises(ValueError, match=r"image_embeddings rows \[4\] have zero length"): small(image_embeddings=E)
+    E[5] = 1e-14
+    with pytest.raises(ValueError, match=r"image_embeddings rows \[4, 5\] have zero length or a length below 1e-12 \(MIN_NORM\)"): small(image_embeddings=E)
     T = small().text_embeddings.copy(); T[2] = 0
     with pytest.raises(ValueError, match=r"text_embeddings rows \[2\] have zero length"): small(text_embeddings=T)
     T = small().text_embeddings.copy(); T[2] = 3 * T[0]

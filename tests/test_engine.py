@@ -289,3 +289,19 @@ def test_one_image_gates_and_classes_as_the_tensor_path_near_gamma_and_ties(p):
     parts = [steps.score(x[None], return_parts=True) for x in S]
     assert enqueued == torch.cat([q.enqueued for q in parts]).tolist()
     assert torch.equal(one.bank.counts, steps.bank.counts) and torch.equal(one.bank.entries, steps.bank.entries)  # the same rows in the same classes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_long_double_rows_are_scored_alike_on_every_path(dtype):
+    "np.longdouble rows were scored by the one-image path and refused by every other one: each path now scores them as their float64 values."
+    T, E = clustered_stream(3, 16, 80, seed=5)
+    wide = E.astype(np.longdouble)
+    paths = {"one image": lambda det, X: torch.cat([det.score(x) for x in X]),
+             "(1, d)": lambda det, X: torch.cat([det.score(x[None]) for x in X]),
+             "steps": lambda det, X: torch.cat([det.score(X[a:a + 20]) for a in range(0, len(X), 20)]),
+             "engine": lambda det, X: det.score(X),
+             "parts": lambda det, X: det.score(X, return_parts=True).score}
+    cfg = ProtonConfig(bank_size=8, k_min=2, temperature=0.2)
+    for name, run in paths.items():
+        det = Proton(torch.as_tensor(T, dtype=dtype), cfg)
+        assert torch.equal(run(det, wide), run(Proton(torch.as_tensor(T, dtype=dtype), cfg), E)), name

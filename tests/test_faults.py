@@ -145,6 +145,37 @@ def test_bad_text_embeddings():
     with pytest.raises(ValueError, match="text embeddings rows \\[1\\] have zero length"): Proton(np.array([[1.0, 0], [0, 0]]))
 
 
+@pytest.mark.parametrize("text, got", [(None, "NoneType"), ("abc", "str"), ([[1., 0.], [1.]], "list"),
+                                       (np.eye(2, dtype=object), "ndarray of dtype object")])
+def test_text_embeddings_that_are_no_numeric_array_are_named_in_one_line(text, got):
+    "`Proton(text)` met numpy's IndexError or torch's TypeError in `compute_dtype` before the text embeddings were checked."
+    with pytest.raises(ValueError, match=rf"^text embeddings must be a numeric array or tensor, got {got}$"): Proton(text)
+
+
+@pytest.mark.parametrize("arg, value", [("base", np.zeros((2, 2))), ("routed", np.zeros((2, 2), dtype=int)), ("routed", np.zeros((4, 1), dtype=int))])
+def test_base_scores_or_routed_classes_of_more_than_one_dimension_are_refused(arg, value):
+    "`base=` and `routed=` of shape (2, 2) for four images were flattened into four values without a word."
+    det = Proton(T, CFG)
+    name = {"base": "base scores", "routed": "routed classes"}[arg]
+    with pytest.raises(ValueError, match=rf"^{name} must have shape \(4,\), got {re.escape(str(value.shape))}$"): det.score(E[:4], **{arg: value})
+    assert det.welford.n == 0
+
+
+@pytest.mark.parametrize("kw, message", [(dict(device="gpu"), "unknown device 'gpu': use cpu, cuda or cuda:N"),
+                                         (dict(dtype="float32"), "a detector can compute in float32 or float64, not 'float32' (a str, not a torch.dtype)")]
+                         + [(dict(device="cuda"), "the device 'cuda' was asked for, but CUDA is not available here")] * (not torch.cuda.is_available()))
+def test_the_constructors_device_and_dtype_are_checked_as_to_checks_them(kw, message):
+    "`Proton(T, device=...)` met torch's raw errors, and dtype='float32' was refused as 'not float32'."
+    with pytest.raises(ValueError, match="^" + re.escape(message)): Proton(T, **kw)
+
+
+def test_rows_shorter_than_min_norm_are_not_called_zero_length():
+    "Rows of length 1e-13 were refused as having 'zero length'."
+    tiny = np.full((2, 16), 2.5e-14)
+    for call in (lambda: Proton(T).score(tiny), lambda: Proton(tiny)):
+        with pytest.raises(ValueError, match=r"rows \[0, 1\] have zero length or a length below 1e-12 \(MIN_NORM\)"): call()
+
+
 def test_empty_batch():
     det = Proton(T, CFG)
     for empty in (np.zeros((0, 16)), torch.zeros(0, 16), []):
@@ -178,6 +209,26 @@ def test_corrupt_state_is_refused(key, value, message):
     target = Proton(T, CFG); target.score(E[:60])
     with pytest.raises(ValueError, match=message): target.load_state_dict(sd)
     assert same_state(snapshot(target), before)
+
+
+def test_a_one_image_state_whose_queue_nearly_cancels_reloads():
+    "The one-image path sums a queue in another order than the load check did: a queue whose mean nearly cancels was refused on reload."
+    d, M = 512, 100
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(M // 2, d)); X /= np.linalg.norm(X, axis=1, keepdims=True)
+    u = rng.normal(size=d); u /= np.linalg.norm(u)
+    E = np.concatenate([X + 1e-6 * u, -X + 1e-6 * u])[rng.permutation(M)].astype(np.float32)  # the queue's mean: about 1e-6 u
+    det = Proton(rng.normal(size=(1, d)).astype(np.float32), ProtonConfig(bank_size=M, k_min=1))
+    for e in E: det.score(e)
+    assert torch.equal(Proton.from_state_dict(det.state_dict()).bank.prototypes, det.bank.prototypes)
+
+
+@pytest.mark.parametrize("change", [lambda p: p.roll(1, 1), lambda p: p * 0.99, lambda p: p.index_fill(0, torch.tensor([0]), 0),
+                                    lambda p: torch.nn.functional.normalize(p + 1e-3 * torch.ones_like(p))])
+def test_a_prototype_that_is_not_its_queues_normalised_sum_is_refused(change):
+    det = Proton(T, CFG); det.score(E[:60])
+    sd = det.state_dict(); sd["prototypes"] = change(sd["prototypes"])
+    with pytest.raises(ValueError, match="state prototypes are not the normalised sums of their queues"): Proton(T, CFG).load_state_dict(sd)
 
 
 def test_state_from_another_configuration_is_refused():

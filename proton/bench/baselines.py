@@ -24,7 +24,7 @@ from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_tempe
 # %% ../../nbs/22_baselines.ipynb
 def _units(image_embeddings, text_embeddings):
     "Validated unit image rows (N, d) and text rows (C, d) in the same dtype and on the same device."
-    E = as_unit_rows(image_embeddings, dtype=compute_dtype(image_embeddings), name="image embeddings")
+    E = as_unit_rows(image_embeddings, dtype=compute_dtype(image_embeddings, name="image embeddings"), name="image embeddings")
     T = as_unit_rows(text_embeddings, dim=E.shape[1], dtype=E.dtype, device=E.device, name="text embeddings")
     if len(T) == 0: raise ValueError("text embeddings must hold at least one class, got shape (0, d)")
     return E, T
@@ -88,12 +88,12 @@ def _prompt_groups(prompt_text_embeddings, dtype=None, device=None, dim:int|None
     if x is None: raise ValueError(f"prompt pooling needs {NO_PROMPTS}")
     if isinstance(x, (list, tuple)):
         if len(x) == 0: raise ValueError("prompt text embeddings must hold at least one class, got an empty list")
-        dtype = dtype or compute_dtype(x[0])
+        dtype = dtype or compute_dtype(x[0], name="prompt text embeddings of class 0")
         groups = [as_tensor(g, dtype, device, name=f"prompt text embeddings of class {c}") for c, g in enumerate(x)]
         bad = [c for c, g in enumerate(groups) if g.ndim != 2 or len(g) == 0]
         if bad: raise ValueError(f"prompt text embeddings of classes {bad[:5]} must have shape (P_c, d) with P_c >= 1")
     else:
-        X = as_tensor(x, dtype or compute_dtype(x), device, name="prompt text embeddings")
+        X = as_tensor(x, dtype or compute_dtype(x, name="prompt text embeddings"), device, name="prompt text embeddings")
         if X.ndim != 3 or 0 in X.shape:
             raise ValueError(f"prompt text embeddings must have shape (P, C, d) with P, C >= 1, got {tuple(X.shape)}")
         groups = list(X.unbind(1))
@@ -115,7 +115,7 @@ def prompt_mcm_score(image_embeddings, # (N, d) image embeddings
     "MCM with several prompts per class, pooled as a prompt ensemble, as hierarchical prompts or as TAG: (N,) scores."
     if pool not in PROMPT_POOLINGS: raise ValueError(f"unknown prompt pooling {pool!r}: choose one of {PROMPT_POOLINGS}")
     if pool == "embedding": return static_score("mcm", image_embeddings, ensemble_text_embeddings(prompt_text_embeddings), temperature)
-    E = as_unit_rows(image_embeddings, dtype=compute_dtype(image_embeddings), name="image embeddings")
+    E = as_unit_rows(image_embeddings, dtype=compute_dtype(image_embeddings, name="image embeddings"), name="image embeddings")
     groups, tau, mcm = _prompt_groups(prompt_text_embeddings, E.dtype, E.device, E.shape[1]), check_temperature(temperature), BASE_SCORES["mcm"]
     if pool == "logit": return mcm(zero_shot_logits(E, torch.stack([g.mean(0) for g in groups]), tau))
     counts = [len(g) for g in groups]
@@ -157,7 +157,7 @@ class KNNScorer:
 def fit_knn(id_embeddings, # (B, d) labelled held-out ID image embeddings; labels are not needed
             k:int=KNN_K): # k, the neighbour whose distance is the score
     "A kNN-ID scorer over the L2-normalised held-out ID embeddings."
-    bank = as_unit_rows(id_embeddings, dtype=compute_dtype(id_embeddings), name="held-out ID embeddings")
+    bank = as_unit_rows(id_embeddings, dtype=compute_dtype(id_embeddings, name="held-out ID embeddings"), name="held-out ID embeddings")
     if isinstance(k, bool) or int(k) != k or not 1 <= k <= len(bank):
         raise ValueError(f"k must be an integer between 1 and the bank size {len(bank)}, got {k}")
     return KNNScorer(bank, int(k))
@@ -315,7 +315,7 @@ def noisy_views(embeddings, # (N, d) embeddings to perturb
                 noise:float, # length of the added noise relative to the unit embedding
                 seed:int=0): # seed of the noise
     "Synthetic stand-in for local views or prompt variants: (N, L, d) renormalised noisy copies."
-    E = as_unit_rows(embeddings, dtype=compute_dtype(embeddings), name="embeddings")
+    E = as_unit_rows(embeddings, dtype=compute_dtype(embeddings, name="embeddings"), name="embeddings")
     g = torch.Generator().manual_seed(seed)
     xi = torch.randn(len(E), n_views, E.shape[1], generator=g, dtype=torch.float64) / math.sqrt(E.shape[1])
     return as_unit_rows((E.cpu().double()[:, None] + noise * xi).reshape(-1, E.shape[1])).reshape(xi.shape).to(E)

@@ -79,7 +79,7 @@ def _check_lengths(X:np.ndarray, # (N, d) embeddings
                    name:str): # the field they come from
     "Raise, naming the rows, unless every row of `X` can be L2-normalised."
     short = np.flatnonzero(np.linalg.norm(X.astype(np.float64), axis=1) < MIN_NORM)
-    if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length and cannot be L2-normalised")
+    if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length or a length below {MIN_NORM:g} (MIN_NORM), and cannot be L2-normalised")
 
 def _check_directions(E:np.ndarray, # (N, d) image embeddings
                       T:np.ndarray): # (C, d) text embeddings

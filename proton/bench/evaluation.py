@@ -80,7 +80,7 @@ class _Prepared:
                  prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
                  routed=None): # (N,) class each image is routed to (see `misroute`); None: its zero-shot class
         self.cache, self.held_out, self.prompts, self.routed = check_cache(cache), held_out, prompt_text_embeddings, routed
-        dtype = compute_dtype(cache.text_embeddings)
+        dtype = compute_dtype(cache.text_embeddings, name="text embeddings")
         self.E = as_unit_rows(cache.image_embeddings, dtype=dtype, name="image embeddings")
         self.T = as_unit_rows(cache.text_embeddings, dtype=dtype, name="text embeddings")
         self._scores = {}

@@ -131,6 +131,7 @@ def class_indices(values, # classes, one per image: an integer array, tensor or 
     "`values` as a 1-D long tensor of classes in [0, C) (on `values`' device), or a `ValueError` naming the problem."
     r = values.detach() if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
     if r.numel() and (r.is_floating_point() or r.is_complex() or r.dtype == torch.bool): raise ValueError(f"{what} must be integers, got dtype {r.dtype}")
+    if r.ndim == 0: r = r.reshape(1)  # one image's class, as a number
     if r.ndim != 1: raise ValueError(f"{what} must have shape ({'N' if n is None else n},), got {tuple(r.shape)}")  # a (2, 2) array is no list of 4 classes
     r = r.long()
     if n is not None and len(r) != n: raise ValueError(f"{what} must hold one class per image ({n}), got {len(r)}")

@@ -161,6 +161,14 @@ def test_base_scores_or_routed_classes_of_more_than_one_dimension_are_refused(ar
     assert det.welford.n == 0
 
 
+def test_one_image_takes_its_base_score_or_routed_class_as_a_number():
+    "A single image's base score or class given as a number, as one writes it for one image, is its (1,) array."
+    for kw, one in ((dict(base=0.25), dict(base=[0.25])), (dict(routed=1), dict(routed=[1]))):
+        a, b = Proton(T, CFG), Proton(T, CFG)
+        assert torch.equal(a.score(E[0], **kw), b.score(E[:1], **one))
+        with pytest.raises(ValueError, match=r"^(base scores|routed classes) must (have shape \(2,\)|hold one class per image \(2\))"): a.score(E[:2], **kw)
+
+
 @pytest.mark.parametrize("kw, message", [(dict(device="gpu"), "unknown device 'gpu': use cpu, cuda or cuda:N"),
                                          (dict(dtype="float32"), "a detector can compute in float32 or float64, not 'float32' (a str, not a torch.dtype)")]
                          + [(dict(device="cuda"), "the device 'cuda' was asked for, but CUDA is not available here")] * (not torch.cuda.is_available()))

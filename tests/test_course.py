@@ -166,3 +166,12 @@ def test_glue_falls_back_where_myst_nb_is_not_installed(chapter):
     code = ["".join(c["source"]) for c in cells(chapter) if c["cell_type"] == "code"]
     bare = [c.splitlines()[0] for c in code if re.search(r"^from myst_nb import glue", c, re.M) and "except ImportError" not in c]
     assert not bare, f"{chapter} imports myst_nb's glue without a fallback: {bare}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_a_chapter_that_loads_an_open_clip_model_installs_the_vlm_extra(chapter):
+    "Colab brings neither open_clip nor the course extra's packages; a chapter that loads an open_clip model must ask for both."
+    code = ["".join(c["source"]) for c in cells(chapter) if c["cell_type"] == "code"]
+    if any('"open_clip:' in c for c in code if not c.lstrip().startswith("#| export")):
+        install = next(c for c in code if "google.colab" in c)
+        assert re.search(r'proton-ood\[[a-z,]*\bvlm\b', install), f"{chapter} loads an open_clip model: its Colab cell must install the vlm extra"

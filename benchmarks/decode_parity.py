@@ -24,7 +24,7 @@ import proton.models.extract as ex
 from proton.models import check_vlm, load_vlm
 
 from _args import usable_device, writable  # benchmarks/_args.py
-from extract import PHOTOS, photo_crop  # benchmarks/extract.py: the same photographs and crops
+from extract import photo_crop, photos  # benchmarks/extract.py: the same photographs and crops
 
 
 def jpeg(rgb, **save):
@@ -37,11 +37,11 @@ def kinds(seed=0):
     "{name: [JPEG bytes]}: the self-check's pattern in two chroma layouts, scikit-image's photographs, benchmark-like crops."
     y, x = np.mgrid[0:200, 0:300]
     colour = np.stack([x * 255 / 299, y * 255 / 199, 127.5 + 127.5 * np.sin(x / 3) * np.cos(y / 2)], -1).astype(np.uint8)
-    photos = [Image.fromarray(f()).convert("RGB") for f in PHOTOS]
-    crops = [jpeg(np.asarray(photo_crop(photos, i, seed=seed))) for i in range(48)]
+    pictures = photos()
+    crops = [jpeg(np.asarray(photo_crop(pictures, i, seed=seed))) for i in range(48)]
     return {"self-check pattern 4:2:0": [ex._test_jpeg()], "fine colour detail 4:2:0": [jpeg(colour)],
             "fine colour detail 4:4:4": [jpeg(colour, subsampling=0)],
-            "photographs 4:2:0": [jpeg(np.asarray(p)) for p in photos], "photographs 4:4:4": [jpeg(np.asarray(p), subsampling=0) for p in photos],
+            "photographs 4:2:0": [jpeg(np.asarray(p)) for p in pictures], "photographs 4:4:4": [jpeg(np.asarray(p), subsampling=0) for p in pictures],
             "500x375 crops 4:2:0 (benchmark)": crops}
 
 

@@ -45,7 +45,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from skimage import data as skdata
 
 import proton.models.extract as ex
 from proton.models import VLM, load_vlm
@@ -55,7 +54,13 @@ from proton.models.extract import (ImageFiles, JpegBytes, _assemble, _at_precisi
 from _args import names, non_negative, positive, shares, usable_device, writable  # benchmarks/_args.py
 
 TARGET = 0.50  # the target: end to end (steady) at least half of forward only
-PHOTOS = (skdata.astronaut, skdata.chelsea, skdata.coffee, skdata.rocket, skdata.retina, skdata.immunohistochemistry)
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "retina", "immunohistochemistry")  # scikit-image's bundled photographs
+
+
+def photos():
+    "The PHOTOS as RGB PIL images (scikit-image, of the course extra, is imported here: --help needs none of it)."
+    from skimage import data
+    return [Image.fromarray(getattr(data, name)()).convert("RGB") for name in PHOTOS]
 
 
 def image_path(folder, i, name):
@@ -71,7 +76,8 @@ def fundus_files(folder, n, side, level=1, jobs=1):
 
 
 def _fundus_chunk(folder, indices, side, level):
-    arr = np.asarray(Image.fromarray(skdata.retina()).resize((side, side), Image.BICUBIC))
+    from skimage import data
+    arr = np.asarray(Image.fromarray(data.retina()).resize((side, side), Image.BICUBIC))
     for i in indices:
         v = np.rot90(arr, i % 4)
         v = v[:, ::-1] if (i // 4) % 2 else v
@@ -94,8 +100,8 @@ def photo_crop(photos, i, size=(500, 375), seed=0):
 
 
 def _photo_chunk(folder, indices, size, seed):
-    photos = [Image.fromarray(f()).convert("RGB") for f in PHOTOS]
-    for i in indices: photo_crop(photos, i, size, seed).save(image_path(folder, i, f"photo_{i:05d}.jpg"), quality=90)
+    pictures = photos()
+    for i in indices: photo_crop(pictures, i, size, seed).save(image_path(folder, i, f"photo_{i:05d}.jpg"), quality=90)
 
 
 def parallel(write, folder, n, jobs, *args):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from skimage import data as skdata
 
 from proton.detector import ProtonConfig
 from proton.models import load_vlm
@@ -32,7 +31,8 @@ from _args import positive, positives, usable_device, writable  # benchmarks/_ar
 def fundus_files(folder, n, size):
     "n PNG files of size x size pixels: the retina, turned by a few degrees more for each file."
     folder.mkdir(parents=True)
-    retina = Image.fromarray(skdata.retina()).resize((size, size), Image.BICUBIC)
+    from skimage import data  # the course extra's: imported here, so that --help needs none of it
+    retina = Image.fromarray(data.retina()).resize((size, size), Image.BICUBIC)
     for i in range(n): retina.rotate(3 * i).save(folder / f"{i:05d}.png", compress_level=1)
 
 

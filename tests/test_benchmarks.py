@@ -199,3 +199,12 @@ def test_extract_probe_help_describes_it_whole():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "extract_probe.py"), "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert "and the pipeline with one change at a time." in " ".join(done.stdout.split())
+
+
+@pytest.mark.parametrize("script", ["extract.py", "extract_probe.py", "decode_parity.py", "score.py", "run.py", "suite.py", "score_files.py"])
+def test_a_benchmark_shows_its_help_without_scikit_image(script):
+    "scikit-image's photographs are only drawn when a benchmark writes its image files, not to print --help."
+    code = (f"import runpy, sys; sys.modules['skimage'] = None; sys.path.insert(0, 'benchmarks'); sys.argv = ['{script}', '--help']\n"
+            f"runpy.run_path('benchmarks/{script}', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr.strip().splitlines()[-1:]

@@ -9,6 +9,8 @@ __all__ = ['PrototypeBank', 'passes_gate']
 import torch
 from torch import Tensor
 
+from .scores import add_methods
+
 # %% ../nbs/11_bank.ipynb
 class PrototypeBank:
     "Per-class FIFO queues of at most `size` unit embeddings and their normalised means."
@@ -50,7 +52,7 @@ def _refresh(self:PrototypeBank,
     total = self.entries[c, :n].sum(0)
     self.prototypes[c] = total / torch.linalg.vector_norm(total).clamp_min(1e-12) if n else 0
 
-PrototypeBank.add, PrototypeBank.refresh = _add, _refresh
+add_methods(PrototypeBank, add=_add, refresh=_refresh)
 
 # %% ../nbs/11_bank.ipynb
 def passes_gate(confidence, # largest softmax probability of an image (float or tensor)
@@ -77,4 +79,4 @@ def _clear(self:PrototypeBank):
     "Empty every queue."
     self.entries.zero_(); self.counts.zero_(); self.prototypes.zero_()
 
-PrototypeBank.gate, PrototypeBank.calibrated, PrototypeBank.clear = _gate, _calibrated, _clear
+add_methods(PrototypeBank, gate=_gate, calibrated=_calibrated, clear=_clear)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, compute_dtype, get_base_score, zero_shot_logits
+from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, compute_dtype, get_base_score, zero_shot_logits, add_methods
 from .bank import PrototypeBank, passes_gate
 from .proto import proto_score
 from .fusion import MAX_BASE, Welford, adaptive_fusion
@@ -122,7 +122,7 @@ def _classify(self:Proton,
     if routed is None: return out
     w = (logits - logits.amax(1, keepdim=True)).exp()  # as `top_softmax`: the zero-shot class's probability is 1 / w.sum() to the last bit
     return out[0], w.gather(1, routed[:, None]).squeeze(1) / w.sum(1), routed
-Proton._classify = _classify
+add_methods(Proton, _classify=_classify)
 
 def class_indices(values, # classes, one per image: an integer array, tensor or list
                   n_classes:int, # C
@@ -142,7 +142,7 @@ def class_indices(values, # classes, one per image: an integer array, tensor or 
 def _check_routed(self:Proton, routed, n:int): # (n,) classes, any integer array
     "`routed` as a long tensor of `n` classes in [0, C) on the detector's device, or a `ValueError` naming the problem."
     return class_indices(routed, self.n_classes, "routed classes", n).to(self.device)
-Proton._check_routed = _check_routed
+add_methods(Proton, _check_routed=_check_routed)
 
 # %% ../nbs/14_detector.ipynb
 def _steps(self:Proton,
@@ -166,7 +166,7 @@ def _steps(self:Proton,
             calibrated = calibrated or bank.calibrated(c.k_min)
     score, alpha, proto, cal = torch.tensor(rows, dtype=self.dtype, device=self.device).reshape(-1, 4).T
     return ProtonParts(score, base, proto, alpha, cal.bool(), enqueued, predicted)
-Proton._steps = _steps
+add_methods(Proton, _steps=_steps)
 
 # %% ../nbs/14_detector.ipynb
 def _snapshot(self:Proton):
@@ -254,8 +254,8 @@ def _score(self:Proton,
         self._restore(saved)
         raise
 
-Proton._snapshot, Proton._restore, Proton._score_one, Proton._scan = _snapshot, _restore, _score_one, _scan
-Proton._set_var_ref, Proton._learn_var_ref, Proton._score_rows, Proton.score = _set_var_ref, _learn_var_ref, _score_rows, _score
+add_methods(Proton, _snapshot=_snapshot, _restore=_restore, _score_one=_score_one, _scan=_scan)
+add_methods(Proton, _set_var_ref=_set_var_ref, _learn_var_ref=_learn_var_ref, _score_rows=_score_rows, score=_score)
 
 # %% ../nbs/14_detector.ipynb
 STATE_FORMAT = "proton-state-2"  # the prototypes are saved too: a restored detector continues bit for bit
@@ -297,7 +297,7 @@ def _to(self:Proton, device): # "cpu", "cuda", "cuda:1" or a torch.device
     self.text, b.entries, b.counts, b.prototypes = (t.to(d) for t in (self.text, b.entries, b.counts, b.prototypes))
     return self
 
-Proton.state_dict, Proton.reset, Proton.to = _state_dict, _reset, _to
+add_methods(Proton, state_dict=_state_dict, reset=_reset, to=_to)
 
 # %% ../nbs/14_detector.ipynb
 def _state_structure(sd, config_keys):
@@ -372,7 +372,7 @@ def _load_state_dict(self:Proton,
     else: self.bank.prototypes.copy_(prototypes)
     return self
 
-Proton._check_state, Proton.load_state_dict = _check_state, _load_state_dict
+add_methods(Proton, _check_state=_check_state, load_state_dict=_load_state_dict)
 
 # %% ../nbs/14_detector.ipynb
 def _from_state_dict(cls, sd:dict, # a dict from `Proton.state_dict`
@@ -393,4 +393,4 @@ def _from_state_dict(cls, sd:dict, # a dict from `Proton.state_dict`
     det = cls(text, ProtonConfig(**cfg), dtype=text.dtype, device=device)
     det.text = text.to(det.device).clone()  # as saved, not normalised again
     return det.load_state_dict(sd)
-Proton.from_state_dict = classmethod(_from_state_dict)
+add_methods(Proton, from_state_dict=classmethod(_from_state_dict))

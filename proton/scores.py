@@ -5,7 +5,7 @@
 # %% auto 0
 __all__ = ['NUMPY_FLOATS', 'MIN_NORM', 'BASE_SCORES', 'as_tensor', 'as_rows', 'as_unit_rows', 'compute_dtype', 'zero_shot_logits',
            'plain_number', 'check_temperature', 'top_softmax', 'mcm_score', 'max_logit_score', 'energy_score',
-           'entropy_score', 'get_base_score', 'classify']
+           'entropy_score', 'get_base_score', 'classify', 'add_methods']
 
 # %% ../nbs/10_scores.ipynb
 import math
@@ -156,3 +156,12 @@ def classify(logits:Tensor, # (N, C) zero-shot logits
     if base.shape != (len(logits),): raise ValueError(f"base score must return a tensor of shape ({len(logits)},), got {tuple(base.shape)}")
     if not torch.isfinite(base).all(): raise ValueError("base score returned NaN or Inf")
     return (base.to(logits.dtype), *top_softmax(logits))
+
+# %% ../nbs/10_scores.ipynb
+def add_methods(cls:type, # the class that gets the methods
+                **methods): # name -> a function, or a classmethod, staticmethod or property of one
+    "Attach `methods` to `cls`, each function renamed to the name it is reached by (pickle looks a bound method up by that name)."
+    for name, m in methods.items():
+        f = m.fget if isinstance(m, property) else getattr(m, "__func__", m)
+        f.__name__, f.__qualname__ = name, f"{cls.__qualname__}.{name}"
+        setattr(cls, name, m)

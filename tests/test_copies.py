@@ -74,3 +74,34 @@ def test_a_deepcopy_of_the_pytorch_ood_detector_continues_alone():
     assert torch.equal(torch.cat([c.predict_features(e) for e in E[40:]]), one_by_one(ref, E[40:]))
     assert same_state(c.detector, state(ref))
     assert same_state(o.detector, saved)
+
+
+def library_classes():
+    "Every class the library defines, from every module of the package."
+    import importlib, inspect, pkgutil
+    import proton
+    for m in pkgutil.walk_packages(proton.__path__, "proton."):
+        mod = importlib.import_module(m.name)
+        yield from (c for c in vars(mod).values() if inspect.isclass(c) and c.__module__ == mod.__name__)
+
+
+def test_every_method_is_named_as_it_is_reached():
+    "A pickled bound method is looked up by its function's name: `Proton.score` defined as `_score` could not be unpickled."
+    import inspect
+    wrong = [f"{c.__module__}.{c.__qualname__}.{name} is named {f.__name__}" for c in library_classes() for name, a in vars(c).items()
+             if inspect.isfunction(f := getattr(a, "__func__", a)) and f.__name__ != name]
+    assert not wrong, wrong
+
+
+def test_bound_methods_and_a_detector_with_a_models_encoder_pickle_and_load_back():
+    from proton.interop import pytorch_ood_detector
+    from proton.models import load_vlm, prompt_ensemble
+    T, E = stream()
+    det = Proton(T, CFG)
+    score = pickle.loads(pickle.dumps(det.score))
+    assert torch.equal(score(E[:10]), Proton(T, CFG).score(E[:10]))
+    vlm = load_vlm("open_clip:ViT-S-32/none", device="cpu")
+    ood = pytorch_ood_detector(Proton(prompt_ensemble(vlm, {"a": ["a"], "b": ["b"]}), temperature=vlm.temperature), encoder=vlm.encode_images)
+    again = pickle.loads(pickle.dumps(ood))
+    x = torch.rand(2, 3, *vlm.image_size)
+    assert torch.equal(again.predict(x), ood.predict(x))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..detector import class_indices
-from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, zero_shot_logits
+from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, zero_shot_logits, add_methods
 
 # %% ../../nbs/22_baselines.ipynb
 def _units(image_embeddings, text_embeddings):
@@ -173,7 +173,7 @@ def _knn_score(self:KNNScorer,
         nearest = (chunk @ self.bank.T).topk(self.k, dim=1).indices
         out.append((chunk[:, None] - self.bank[nearest]).norm(dim=-1).amax(1))
     return torch.cat(out)
-KNNScorer.score = _knn_score
+add_methods(KNNScorer, score=_knn_score)
 
 # %% ../../nbs/22_baselines.ipynb
 MAHALANOBIS_RIDGE = 1e-2  # ε, ridge relative to the average variance tr(Σ)/d
@@ -224,7 +224,7 @@ def _mahalanobis_score(self:MahalanobisScorer,
                      name="image embeddings")
     d = torch.cdist(E @ self.whitening.T, self.white_means, compute_mode="donot_use_mm_for_euclid_dist")
     return d.square().amin(1).to(compute_dtype(image_embeddings))
-MahalanobisScorer.score = _mahalanobis_score
+add_methods(MahalanobisScorer, score=_mahalanobis_score)
 
 # %% ../../nbs/22_baselines.ipynb
 class Baseline(NamedTuple):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..deploy import replace_atomically
-from ..scores import MIN_NORM, as_unit_rows, check_temperature
+from ..scores import MIN_NORM, as_unit_rows, check_temperature, add_methods
 from .synth import SHIFTS, SyntheticWorld
 
 # %% ../../nbs/20_cache.ipynb
@@ -201,10 +201,10 @@ def _shifts_present(self:EmbeddingCache):
     "The shifts that occur in the cache, in the order of `SHIFTS`."
     return tuple(s for s in SHIFTS if (self.shift == s).any())
 
-EmbeddingCache.__len__ = _len
-EmbeddingCache.n_classes = property(lambda self: len(self.text_embeddings))
-EmbeddingCache.dim = property(lambda self: self.image_embeddings.shape[1])
-EmbeddingCache.shifts_present = property(_shifts_present)
+add_methods(EmbeddingCache, __len__=_len)
+add_methods(EmbeddingCache, n_classes=property(lambda self: len(self.text_embeddings)))
+add_methods(EmbeddingCache, dim=property(lambda self: self.image_embeddings.shape[1]))
+add_methods(EmbeddingCache, shifts_present=property(_shifts_present))
 
 def _ood_shifts(self:EmbeddingCache, shifts=None): # a shift name, a list of them, or None: every OOD shift in the cache
     "The OOD shifts an experiment runs, as a list; an error when the cache has none to offer."
@@ -212,7 +212,7 @@ def _ood_shifts(self:EmbeddingCache, shifts=None): # a shift name, a list of the
     found = [s for s in self.shifts_present if s != "id"]
     if not found: raise ValueError(f"the cache has no OOD images (shifts present: {self.shifts_present})")
     return found
-EmbeddingCache.ood_shifts = _ood_shifts
+add_methods(EmbeddingCache, ood_shifts=_ood_shifts)
 
 def _repr(self:EmbeddingCache):
     counts = " ".join(f"{s}={int((self.shift == s).sum())}" for s in self.shifts_present)
@@ -222,14 +222,14 @@ def _repr(self:EmbeddingCache):
     fit = "" if self.fit_labels is None else f"; fit: {len(self.fit_labels)}"
     return (f"EmbeddingCache(N={len(self)}, C={self.n_classes} {list(self.class_names)}, d={self.dim}, "
             f"{self.image_embeddings.dtype}, τ={self.temperature:g}; {counts}; local: {local}{sets}{fit}; {model})")
-EmbeddingCache.__repr__ = _repr
+add_methods(EmbeddingCache, __repr__=_repr)
 
 def _predicted(self:EmbeddingCache):
     "(N,) zero-shot class of every image: the text embedding with the largest cosine."
     E = as_unit_rows(self.image_embeddings, dtype=torch.float64, name="image_embeddings")
     T = as_unit_rows(self.text_embeddings, dtype=torch.float64, name="text_embeddings")
     return (E @ T.T).argmax(1).numpy()
-EmbeddingCache.predicted = _predicted
+add_methods(EmbeddingCache, predicted=_predicted)
 
 # %% ../../nbs/20_cache.ipynb
 def _subset(self:EmbeddingCache,
@@ -248,7 +248,7 @@ def _subset(self:EmbeddingCache,
     return replace(self, image_embeddings=self.image_embeddings[rows], labels=self.labels[rows], shift=self.shift[rows],
                    local_embeddings=take(self.local_embeddings),
                    source=None if self.source is None else [self.source[i] for i in rows])
-EmbeddingCache.subset = _subset
+add_methods(EmbeddingCache, subset=_subset)
 
 # %% ../../nbs/20_cache.ipynb
 def _prompt_set_names(self:EmbeddingCache):
@@ -264,7 +264,7 @@ def _prompt_group(self:EmbeddingCache,
     in_set = np.array(self.prompt_set) == name
     return [self.prompt_embeddings[in_set & (self.prompt_class == c)] for c in range(self.n_classes)]
 
-EmbeddingCache.prompt_set_names, EmbeddingCache.prompt_group = property(_prompt_set_names), _prompt_group
+add_methods(EmbeddingCache, prompt_set_names=property(_prompt_set_names), prompt_group=_prompt_group)
 
 # %% ../../nbs/20_cache.ipynb
 def _fit_from_world(world:SyntheticWorld, n_fit:int, seed:int, dtype):
@@ -295,7 +295,7 @@ def _from_world(cls,
                text_embeddings=world.text_embeddings(torch.float64).numpy().astype(dtype),
                class_names=[f"class {c}" for c in range(world.n_classes)], labels=labels, shift=shift,
                temperature=world.temperature, metadata=metadata, **_fit_from_world(world, n_fit, seed, dtype))
-EmbeddingCache.from_world = classmethod(_from_world)
+add_methods(EmbeddingCache, from_world=classmethod(_from_world))
 
 # %% ../../nbs/20_cache.ipynb
 CACHE_FORMAT = "proton-cache-1"
@@ -332,7 +332,7 @@ def _content_hash(self:EmbeddingCache):
     "SHA-256 hex digest of the cache's arrays and metadata, as stored in its file."
     return content_digest(*self._contents())
 
-EmbeddingCache._contents, EmbeddingCache.content_hash = _contents, _content_hash
+add_methods(EmbeddingCache, _contents=_contents, content_hash=_content_hash)
 
 # %% ../../nbs/20_cache.ipynb
 def write_npz_atomic(path:Path, # destination; an existing file is replaced only once the new one is complete
@@ -347,7 +347,7 @@ def _save(self:EmbeddingCache,
     path = Path(path)
     write_npz_atomic(path, *self._contents())
     return path
-EmbeddingCache.save = _save
+add_methods(EmbeddingCache, save=_save)
 
 # %% ../../nbs/20_cache.ipynb
 def read_npz(path:Path):
@@ -396,4 +396,4 @@ def _load(cls,
     if missing: raise CorruptCacheError(f"{path}: invalid cache: the header lacks the field {missing[0]!r}")
     try: return cls(class_names=h["class_names"], temperature=h["temperature"], metadata=h["metadata"], **arrays)
     except (KeyError, TypeError, ValueError) as e: raise CorruptCacheError(f"{path}: invalid cache: {e}") from e
-EmbeddingCache.load = classmethod(_load)
+add_methods(EmbeddingCache, load=classmethod(_load))

@@ -31,7 +31,7 @@ from .experiments import EXPERIMENTS, experiment
 from ..deploy import check_writable, replace_atomically, same_file
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
-from ..scores import as_unit_rows, compute_dtype, plain_number
+from ..scores import as_unit_rows, compute_dtype, plain_number, add_methods
 from .streams import ORDERS, Stream, misroute, stream_permutations
 from .synth import PRESETS, SHIFTS, SyntheticWorld
 
@@ -114,7 +114,7 @@ def _stream_scores(self:_Prepared,
     s = self.proton_scores(method.baseline, indices, config) if method.online else self.scores(method.baseline)[torch.as_tensor(indices)]
     return s.double().numpy()
 
-_Prepared.proton_scores, _Prepared.stream_scores = _proton_scores, _stream_scores
+add_methods(_Prepared, proton_scores=_proton_scores, stream_scores=_stream_scores)
 
 # %% ../../nbs/23_evaluation.ipynb
 def _method(name:str):

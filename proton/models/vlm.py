@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..bench.prepared import DICOM_SUFFIXES, has_dicom_marker
 from ..deploy import torch_load_safely
-from ..scores import as_unit_rows, check_temperature
+from ..scores import as_unit_rows, check_temperature, add_methods
 
 # %% ../../nbs/40_vlm.ipynb
 MAX_LOGIT_SCALE = 100.  # CLIP-style training clamps the learnt scale here
@@ -214,7 +214,7 @@ def _encode(self:VLM, hook, batches, what:str):
     if not out: return torch.zeros(0, self.dim)
     return out[0] if len(out) == 1 else torch.cat(out)
 
-VLM._image_batches, VLM._encode = _image_batches, _encode
+add_methods(VLM, _image_batches=_image_batches, _encode=_encode)
 
 # %% ../../nbs/40_vlm.ipynb
 def _encode_images(self:VLM,
@@ -240,7 +240,7 @@ def _encode_local(self:VLM,
     if not self.has_local: raise NotImplementedError(f"{self.name} has no local (patch) features")
     return self._encode(self._local_features, self._image_batches(images, batch_size), "local embeddings")
 
-VLM.encode_images, VLM.encode_text, VLM.encode_local = _encode_images, _encode_text, _encode_local
+add_methods(VLM, encode_images=_encode_images, encode_text=_encode_text, encode_local=_encode_local)
 
 # %% ../../nbs/40_vlm.ipynb
 def class_prompts(class_names:Sequence[str], # C class names

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from archives import LayoutError, View, check_image, open_container
-from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, verification
+from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, unchecked, verification
 from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, claim_folder,
                                    image_path, lock_folder, write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
@@ -241,7 +241,7 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
         lines.append(f"  {key}: {e['title']}")
         lines.append(f"    size     {e['approx_size']}" + (f" ({e['size_bytes']} bytes)" if e["size_bytes"] else ""))
         lines.append(f"    licence  {e['licence']}")
-        lines.append(f"    verified  {verification(e)}")
+        lines.append(f"    verified  {key in local and unchecked(e, local[key].expanduser()) or verification(e)}")
         dest = raw / e["filename"]
         if key in local:
             lines.append(f"    use      {local[key]} (--local)")
@@ -299,20 +299,20 @@ def run(bench: Benchmark, # the benchmark to prepare
     with lock_folder(args.out):  # held from the first download to the last write: a second run on --out stops at once
         check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads
         read_split(args.split, bench.draws)
-        paths, missing = {}, []
+        paths, verified, missing = {}, {}, []
         # Kaggle sources first, so that missing credentials are reported before hours of other downloads
         for key in sorted(bench.keys(), key=lambda k: manifest["sources"][k]["download"] == "http"):
             if missing and manifest["sources"][key]["download"] == "http":
                 break
             try:
-                paths[key] = fetch(key, manifest["sources"][key], raw, local.get(key), progressbar=not args.no_progress)
+                paths[key], verified[key] = fetch(key, manifest["sources"][key], raw, local.get(key), progressbar=not args.no_progress)
             except LoginRequired as err:
                 missing.append(str(err))
         if missing:
             raise LoginRequired("\n\n".join(missing))
         prompts = prompt_sets(bench, paths)  # before any image is written: a bad prompt file stops the run early
         views = {name: opener(paths) for name, (_, opener) in bench.views.items()}
-        sources = {key: provenance(manifest["sources"][key], path) for key, path in paths.items()}
+        sources = {key: provenance(verified[key], path) for key, path in paths.items()}
         return prepare(bench, views, args.out, args.split, seed=args.seed, limit=args.limit,
                        progressbar=not args.no_progress, sources=sources, prompts=prompts, resize=args.resize, locked=True)
 

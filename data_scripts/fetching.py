@@ -88,10 +88,23 @@ def verification(entry: dict) -> str:
     return "not at all: neither a checksum nor a size is published"
 
 
-def provenance(entry: dict, path: Path) -> dict:
+def unchecked(entry: dict, # a source's manifest entry
+              local: Path, # the user's file or folder for it (--local)
+              ) -> str | None:
+    """Why a ``--local`` copy is not checked against the manifest (a folder, or a file under another name); None when it is."""
+    if not local.is_file():
+        return f"not checked: local folder {local}"
+    if local.name != entry["filename"]:
+        return f"not checked: local copy {local} is not named {entry['filename']}"
+    return None
+
+
+def provenance(verified: str, # how the file was verified, as ``fetch`` returns it
+               path: Path, # the file or folder used
+               ) -> dict:
     """What the prepared folder records of a source: how it was verified, and the SHA-256 of the file used (None for a folder)."""
     path = Path(path)
-    return {"verified": verification(entry), "sha256": file_hash(path, "sha256") if path.is_file() else None}
+    return {"verified": verified, "sha256": file_hash(path, "sha256") if path.is_file() else None}
 
 
 def file_hash(path: Path, alg: str) -> str:
@@ -331,17 +344,20 @@ def fetch(key: str, # manifest key
           raw: Path, # folder for downloads
           local: Path | None = None, # a file or folder the user already has: used instead of downloading
           progressbar: bool = True, # show tqdm bars
-          ) -> Path:
-    """Return a local path for a source: the user's copy, the cached download, or a fresh download."""
+          ) -> tuple[Path, str]:
+    """Return a local path for a source (the user's copy, the cached download, or a fresh download) and how it was verified."""
     if local is not None:
         local = Path(local).expanduser()
         if not local.exists():
             raise FileNotFoundError(f"--local {key}={local}: no such file or folder")
-        if local.is_file() and local.name == entry["filename"]:
+        skipped = unchecked(entry, local)
+        if skipped is None:
             verify(local, entry)
-        return local
+        return local, skipped or verification(entry)
     if entry["download"] == "http":
-        return download(entry, raw, progressbar=progressbar)
-    return fetch_kaggle(key, entry, raw)
+        return download(entry, raw, progressbar=progressbar), verification(entry)
+    path = fetch_kaggle(key, entry, raw)
+    verify(path, entry)  # the manifest publishes nothing for Kaggle's files, unless someone pinned one there
+    return path, verification(entry)
 
 

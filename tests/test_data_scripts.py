@@ -1532,17 +1532,57 @@ def test_a_tampered_file_of_the_right_size_is_caught_where_a_hash_exists(tmp_pat
     with pytest.raises(fetching.ChecksumError, match="md5 is"): fetching.verify(tmp_path / "fixture.zip", entry)
     sized = dict(entry, md5=None, sha256=None)
     fetching.verify(tmp_path / "fixture.zip", sized)  # size only: nothing can tell
-    assert fetching.provenance(sized, tmp_path / "fixture.zip") == dict(
+    assert fetching.fetch("fixture", sized, tmp_path / "raw", local=tmp_path / "fixture.zip")[1] == "size only: no checksum is published"
+    assert fetching.provenance("size only: no checksum is published", tmp_path / "fixture.zip") == dict(
         verified="size only: no checksum is published", sha256=fetching.file_hash(tmp_path / "fixture.zip", "sha256"))
 
 
-def test_the_prepared_folder_records_how_its_sources_were_verified(served_ophthalmology):
+def test_the_prepared_folder_records_how_its_sources_were_verified(served_ophthalmology, ophthalmology_sources):
     s = served_ophthalmology
     common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out")] + s.base)
     sources = json.loads((s.tmp / "out" / "classes.json").read_text())["sources"]
     assert set(sources) == set(ophthalmology.BENCHMARK.keys())
-    assert sources["fives"]["verified"].startswith("size only") and sources["deepdrid"]["verified"].startswith("md5")
+    assert sources["fives"]["verified"] == f"not checked: local folder {ophthalmology_sources.fives}"
+    assert sources["deepdrid"]["verified"].startswith("md5")
     assert all(v["sha256"] is None or len(v["sha256"]) == 64 for v in sources.values())
+
+
+def test_a_local_copy_is_recorded_as_checked_only_when_it_was(tmp_path):
+    "classes.json said a --local folder, or file under another name, was verified by the manifest's md5, which nothing had checked."
+    (x_path, y_path), _, _ = pcam_files(tmp_path)
+    manifest = json.loads(fetching.MANIFEST.read_text())
+    entry = manifest["sources"]["pcam_test_x"]
+    x_path = x_path.rename(tmp_path / entry["filename"])  # the manifest's name: checked against its md5, here the file's
+    entry.update(md5=md5(x_path.read_bytes()), size_bytes=x_path.stat().st_size)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with zipfile.ZipFile(crc_zip(tmp_path / "crc.zip")) as z:
+        z.extractall(tmp_path / "crc")
+    far = sorted({r.original for r in shipped("pathology") if r.shift == "far"})
+    argv = ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--limit", "2", "--no-progress",
+            "--manifest", str(tmp_path / "manifest.json"), "--local", f"pcam_test_x={x_path}", "--local", f"pcam_test_y={y_path}",
+            "--local", f"crc_val={tmp_path / 'crc'}", "--local", f"imagenette={imagenette_tgz(tmp_path / 'i.tgz', far)}",
+            "--split", str(tmp_path / "s.csv")]
+    common.run(pathology.BENCHMARK, argv)
+    sources = json.loads((tmp_path / "out" / "classes.json").read_text())["sources"]
+    assert sources["pcam_test_x"] == dict(verified=f"md5 {fetching.file_hash(x_path, 'md5')}",
+                                          sha256=fetching.file_hash(x_path, "sha256"))
+    y_name = manifest["sources"]["pcam_test_y"]["filename"]
+    assert sources["pcam_test_y"] == dict(verified=f"not checked: local copy {y_path} is not named {y_name}",
+                                          sha256=fetching.file_hash(y_path, "sha256"))
+    assert sources["crc_val"] == dict(verified=f"not checked: local folder {tmp_path / 'crc'}", sha256=None)
+    assert sources["imagenette"]["verified"].startswith("not checked: local copy ")
+    plan = common.run(pathology.BENCHMARK, argv + ["--dry-run"])  # the dry run says the same
+    assert f"verified  md5 {entry['md5']}" in plan and f"verified  not checked: local folder {tmp_path / 'crc'}" in plan
+
+
+def test_a_kaggle_file_is_checked_against_what_the_manifest_knows(tmp_path):
+    "A Kaggle archive already in --raw was taken unchecked, so a checksum put in the manifest was recorded as verified."
+    entry = dict(fetching.load_manifest()["sources"]["chest_ct"], md5=md5(b"right"))
+    (tmp_path / entry["filename"]).write_bytes(b"wrong")
+    with pytest.raises(fetching.ChecksumError, match="md5 is"):
+        fetching.fetch("chest_ct", entry, tmp_path)
+    (tmp_path / entry["filename"]).write_bytes(b"right")
+    assert fetching.fetch("chest_ct", entry, tmp_path) == (tmp_path / entry["filename"], f"md5 {md5(b'right')}")
 
 
 def test_resize_stores_images_at_the_short_side_losslessly_for_png(served_ophthalmology):

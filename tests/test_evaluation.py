@@ -447,3 +447,17 @@ def test_nothing_to_evaluate_names_the_real_cause(cache):
     assert "prompt_text_embeddings" not in message and "\n" not in message, message
     with pytest.raises(ValueError, match=r"^nothing to evaluate: no method can run: gl_mcm \(the cache has no local_embeddings"):
         evaluate(cache.subset(cache.shift != "far"), ["gl_mcm"], shifts=["semantic", "far"], n_permutations=1, progress=False)
+
+
+def test_the_command_a_partial_course_cache_is_sent_to_runs_as_written(tmp_path, monkeypatch):
+    "course_cache refuses a cache without every shift and names a command for it: that command, run as printed, must work."
+    import re, shlex, subprocess, sys
+    from pathlib import Path
+    partial = evaluation.simulated_cache("pathology")
+    partial.subset(np.array(partial.shift) != "covariate").save(tmp_path / "pathology.npz")
+    monkeypatch.setenv(evaluation.COURSE_CACHES, str(tmp_path))
+    with pytest.raises(ValueError) as e: evaluation.course_cache("pathology")
+    command = shlex.split(re.search(r"run `proton-ood (.+?)`", str(e.value))[1])
+    r = subprocess.run([str(Path(sys.executable).parent / "proton-ood"), *command, "--permutations", "1", "--no-progress"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr

@@ -404,7 +404,7 @@ def course_cache(domain:str, # a domain: ophthalmology, radiology or pathology (
             cache = EmbeddingCache.load(found[0])
             if missing := [s for s in SHIFTS if s not in cache.shifts_present]:
                 raise ValueError(f"{found[0]} has no {' and no '.join(missing)} images, and the chapters need every shift: "
-                                 f"run `proton-ood evaluate {found[0]}` on it instead, which evaluates the shifts it has")
+                                 f"run `proton-ood evaluate {found[0]} --out results.csv` on it instead, which evaluates the shifts it has")
             return cache
         warnings.warn(f"{folder} holds no cache of {domain} ({domain}*.npz): the simulated one stands in", stacklevel=2)
     cache = simulated_cache(domain)

@@ -15,8 +15,9 @@ first --skip ones, so that starting the workers and the first kernels are not co
   (features copied back in the background, waited for one batch later); staging without synchronisation (consecutive
   positions as slices, decoded images kept until the side stream is past them); a high-priority side stream; all together;
   on its own stream with the JPEG files' bytes not copied to pinned memory by the DataLoader (nvJPEG reads them on the host);
-  staging and encoding in one thread, one after the other; and the main loop alone (the first staged batch again and
-  again, no decoding), for reference.
+  staging and encoding in one thread, one after the other; the main loop alone (the first staged batch again and
+  again, no decoding), for reference; and the loop as it is with one shard per batch written in a thread, as `extract`
+  writes them (the copies write nothing).
 - with --profile: torch.profiler tables (and a trace) of a few batches of the pipeline as it is, in --out-dir.
 """
 import argparse
@@ -27,8 +28,10 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,7 +40,8 @@ from extract import listing, photo_files, sync  # noqa: E402  (benchmarks/extrac
 
 from proton.models import load_vlm  # noqa: E402
 from proton.models.extract import (ImageFiles, JpegBytes, _ahead, _assemble, _at_precision, _positions, _Preprocess,  # noqa: E402
-                                   _resized_size, collate_jpeg_bytes, decode_jpegs, default_workers, device_preprocessing)
+                                   _resized_size, _write_shard, collate_jpeg_bytes, decode_jpegs, default_workers, device_preprocessing,
+                                   shard_path)
 
 
 def new_stream(device, priority=0):
@@ -143,7 +147,7 @@ def assemble_async(batch, index, files, pre, device, decode_stream, side):
 
 
 def pipeline(vlm, dataset, pre, batch_size, workers, amp, skip, *, compute_stream=False, lag=False, async_stage=False,
-             high_priority=False, threaded=True, fixed=False, pin=True):
+             high_priority=False, threaded=True, fixed=False, pin=True, shards=None):
     "Images/s of a copy of `_embed_shards`' loop over the dataset, after `skip` batches; each keyword is one change."
     device, encoder, n = vlm.device, _at_precision(vlm, amp), len(dataset)
     batches = [list(range(i, min(n, i + batch_size))) for i in range(0, n, batch_size)]
@@ -164,8 +168,8 @@ def pipeline(vlm, dataset, pre, batch_size, workers, amp, skip, *, compute_strea
             return x, side.record_event() if cuda else None
     loaded = iter(loader)
     staged = _ahead(zip(loaded, batches), stage) if threaded else map(stage, zip(loaded, batches))
-    ticks, features, pending = [], [], None
-    with contextlib.closing(staged) if threaded else contextlib.nullcontext(), on(compute):
+    ticks, features, pending, written = [], [], None, []
+    with contextlib.closing(staged) if threaded else contextlib.nullcontext(), on(compute), ThreadPoolExecutor(1) as writer:
         for x, there in staged:
             if cuda and there is not None:
                 compute.wait_event(there)
@@ -180,11 +184,17 @@ def pipeline(vlm, dataset, pre, batch_size, workers, amp, skip, *, compute_strea
                     features.append(pending[0])
                 pending = (host, done)
             else: features.append(encoder.encode_images(x, batch_size=len(x)))
+            if shards is not None:  # one shard per batch, written in a thread as `_embed_shards` writes them
+                k = len(ticks)
+                arrays = dict(image_embeddings=features[-1].numpy(), files=np.array(dataset.files[k * batch_size:(k + 1) * batch_size], dtype=str))
+                written.append(writer.submit(_write_shard, shard_path(shards, k), arrays, dict(shard=k)))
             ticks.append(time.perf_counter())
         if pending is not None:
             if cuda: pending[1].synchronize()
             features.append(pending[0])
             ticks[-1] = time.perf_counter()
+        for w in written: w.result()
+        if written: ticks[-1] = time.perf_counter()
     counted = sum(len(b) for b in batches[skip + 1:])
     assert sum(len(f) for f in features) == n
     return counted / (ticks[-1] - ticks[skip])
@@ -241,7 +251,9 @@ def main(argv=None):
                         all=dict(compute_stream=True, lag=True, async_stage=True, high_priority=True),
                         all_but_priority=dict(compute_stream=True, lag=True, async_stage=True),
                         one_thread=dict(threaded=False), own_stream_unpinned=dict(compute_stream=True, pin=False), main_loop_alone=dict(fixed=True),
-                        main_loop_alone_lag=dict(fixed=True, lag=True, compute_stream=True), as_is_again={})
+                        main_loop_alone_lag=dict(fixed=True, lag=True, compute_stream=True), as_is_again={},
+                        shards=dict(shards=Path(scratch, "shards")))
+        Path(scratch, "shards").mkdir()
         result["pipelines"] = {}
         print("pipelines, images/s at steady state:", flush=True)
         for name, kw in variants.items():

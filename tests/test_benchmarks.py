@@ -61,7 +61,7 @@ def test_extract_probe_runs_every_variant(tmp_path):
     assert set(result["stages"]) == {"decode", "preprocess", "preprocess_interpolate", "assemble", "forward"}
     assert all(s["alone_ms"] > 0 and s["host_ms_under_load"] > 0 for s in result["stages"].values())
     rates = result["pipelines"]
-    assert {"as_is", "compute_stream", "lag", "async_stage", "one_thread", "main_loop_alone"} <= set(rates)
+    assert {"as_is", "compute_stream", "lag", "async_stage", "one_thread", "main_loop_alone", "shards"} <= set(rates)
     assert all(isinstance(r, float) and math.isfinite(r) and r > 0 for r in rates.values()), rates  # no variant failed
     assert "aten::" in (tmp_path / "probe_profile.txt").read_text() and (tmp_path / "probe_trace.json.gz").stat().st_size > 0
 

@@ -2,7 +2,9 @@
 
 Once per session: the repository's files (tracked, plus untracked ones git does not ignore, i.e. what a clone will
 hold) are copied to a temporary folder, a clean virtual environment is created, and the package is installed into
-it from that copy with pip, not in editable mode, together with ipykernel. The copy's `proton/` folder is then
+it from that copy with pip, not in editable mode, with the course extra and ipykernel. Each notebook gets the extras
+its own Colab cell installs, and no others: the notebooks run in order of how many extras they ask for, and an extra
+is added (its requirements from settings.ini) just before the first notebook that asks for it. The copy's `proton/` folder is then
 deleted, so the only `proton` a notebook can import is the installed one. Each notebook then runs in a kernel of
 that environment, in a temporary copy of its own folder; a notebook whose Colab cell clones the repository gets a
 copy of the whole (package-less) repository instead, as in Colab. Any cell error fails the notebook.
@@ -11,6 +13,7 @@ Opt-in, because pip installs torch: `PROTON_COLAB_TEST=1 python -m pytest tests/
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +27,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).parents[1]
-EXTRAS = "course,vlm,data"  # `course` brings plot, fastcore and nbdev, which the chapters' test cells import
+BASE = "course"  # brings plot, fastcore and nbdev, which the chapters' test cells import; every Colab cell asks for it
 CELL_TIMEOUT = 600
 
 pytestmark = [pytest.mark.colab,
@@ -33,7 +36,15 @@ pytestmark = [pytest.mark.colab,
 
 from toc import TOC_FILES
 
-NOTEBOOKS = TOC_FILES
+
+def extras(notebook):
+    "The extras a notebook's Colab cell installs (none for a page without one)."
+    cells = json.loads((ROOT / f"{notebook}.ipynb").read_text())["cells"]
+    found = [re.search(r'proton-ood\[([a-z,]+)\]', "".join(c["source"])) for c in cells if c["cell_type"] == "code" and "google.colab" in "".join(c["source"])]
+    return set(found[0][1].split(",")) if found and found[0] else set()
+
+
+NOTEBOOKS = sorted(TOC_FILES, key=lambda n: len(extras(n) - {BASE}))  # the table of contents' order among notebooks asking for as much
 
 # Nothing from this machine's user site or PYTHONPATH may leak into the "fresh" environment.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")} | {"PYTHONNOUSERSITE": "1"}
@@ -63,7 +74,8 @@ class Colab:
         copy_repository(self.clone)
         run(sys.executable, "-m", "venv", env)
         python = env / "bin" / "python"
-        run(python, "-m", "pip", "install", "-q", f"{self.clone}[{EXTRAS}]", "ipykernel")
+        self.python, self.installed = python, {BASE}
+        run(python, "-m", "pip", "install", "-q", f"{self.clone}[{BASE}]", "ipykernel")
         for leftover in ["proton", "build", *(p.name for p in self.clone.glob("*.egg-info"))]:
             shutil.rmtree(self.clone / leftover, ignore_errors=True)
         origin = Path(run(python, "-c", "import proton; print(proton.__file__)", cwd=root).strip())
@@ -73,6 +85,15 @@ class Colab:
         spec = {"argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "Colab-like",
                 "language": "python", "env": {"PYTHONNOUSERSITE": "1", "PYTHONPATH": ""}}
         (self.kernels / "colab" / "kernel.json").write_text(json.dumps(spec))
+
+    def add(self, wanted:set):
+        "Install the requirements of the extras in `wanted` that are not installed yet (the package's own files are gone)."
+        ini = (ROOT / "settings.ini").read_text()
+        for extra in sorted(wanted - self.installed):
+            line = re.search(rf"^{extra}_requirements\s*=\s*(.*)$", ini, re.M)
+            assert line, f"the Colab cell asks for an extra settings.ini does not define: {extra}"
+            run(self.python, "-m", "pip", "install", "-q", *line[1].split())
+            self.installed.add(extra)
 
     def kernel(self):
         return KernelManager(kernel_name="colab", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(self.kernels)]))
@@ -90,6 +111,7 @@ def clones_repository(nb):
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_notebook_runs_in_a_fresh_environment(colab, notebook, tmp_path):
+    colab.add(extras(notebook))
     nb = nbformat.read(colab.clone / f"{notebook}.ipynb", as_version=4)
     folder = Path(notebook).parent
     if clones_repository(nb):

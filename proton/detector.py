@@ -7,6 +7,7 @@ __all__ = ['DEFAULT_TEMPERATURE', 'STATE_FORMAT', 'STATE_KEYS', 'ProtonConfig', 
            'class_indices', 'model_device']
 
 # %% ../nbs/14_detector.ipynb
+import copy
 import math
 from dataclasses import dataclass, asdict, replace
 from typing import Callable, NamedTuple
@@ -297,7 +298,11 @@ def _to(self:Proton, device): # "cpu", "cuda", "cuda:1" or a torch.device
     self.text, b.entries, b.counts, b.prototypes = (t.to(d) for t in (self.text, b.entries, b.counts, b.prototypes))
     return self
 
-add_methods(Proton, state_dict=_state_dict, reset=_reset, to=_to)
+def _copy(self:Proton):
+    "`copy.copy(det)`: a detector with its own stream state, as `copy.deepcopy` makes it (sharing the bank, scoring either would corrupt the other)."
+    return copy.deepcopy(self)
+
+add_methods(Proton, state_dict=_state_dict, reset=_reset, to=_to, __copy__=_copy)
 
 # %% ../nbs/14_detector.ipynb
 def _state_structure(sd, config_keys):

@@ -105,3 +105,16 @@ def test_bound_methods_and_a_detector_with_a_models_encoder_pickle_and_load_back
     again = pickle.loads(pickle.dumps(ood))
     x = torch.rand(2, 3, *vlm.image_size)
     assert torch.equal(again.predict(x), ood.predict(x))
+
+
+def test_a_shallow_copy_scores_without_touching_the_original():
+    "copy.copy shared the bank: scoring the copy filled the original's queues while its running variance stayed empty."
+    T, E = stream()
+    det = Proton(T, CFG)
+    det.score(E[:30])
+    before = state(det)
+    other = copy.copy(det)
+    other.score(E[30:])
+    assert all(torch.equal(a, b) for a, b in zip(state(det), before))
+    shallow, deep = copy.copy(other), copy.deepcopy(other)
+    assert torch.equal(shallow.score(E[:5]), deep.score(E[:5]))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import startup
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, unchecked, verification
 from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, claim_folder,
@@ -345,6 +347,8 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
 def command(body: Callable[[], int], # the script's work; returns its exit code
             ) -> int:
     """``body()`` as a script's exit code: a reader of stdout that leaves ends it silently (141), Ctrl-C in one line (130)."""
+    if signal.getsignal(signal.SIGINT) is startup.interrupted:  # the imports are done: Ctrl-C interrupts the work, whose cleanup runs
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = body()
         sys.stdout.flush()  # buffered output fails here, not in Python's flush at exit

@@ -14,6 +14,10 @@ Sources, sizes and licences: data_scripts/manifest.json; everything downloads wi
 """
 import sys
 
+if __name__ == "__main__":  # Ctrl-C while the imports below load (torch takes seconds): one line, not a traceback
+    import startup
+    startup.guard()
+
 from archives import View, open_container
 from common import Benchmark, command, imagenette_draw, imagenette_view, main
 from splits import Draw

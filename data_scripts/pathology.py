@@ -20,6 +20,10 @@ Example:  python data_scripts/pathology.py --out data/pathology
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C while the imports below load (torch takes seconds): one line, not a traceback
+    import startup
+    startup.guard()
+
 from archives import LayoutError, View, gunzip_once, open_container, png_bytes, safe_name
 from common import Benchmark, command, imagenette_draw, imagenette_view, main
 from splits import Draw

@@ -12,6 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C while the imports below load (torch takes seconds): one line, not a traceback
+    import startup
+    startup.guard()
+
 import ophthalmology
 import pathology
 import radiology

@@ -22,6 +22,10 @@ import io
 import re
 import sys
 
+if __name__ == "__main__":  # Ctrl-C while the imports below load (torch takes seconds): one line, not a traceback
+    import startup
+    startup.guard()
+
 from archives import LayoutError, View, open_container, png_bytes
 from common import Benchmark, command, imagenette_draw, imagenette_view, main
 from splits import Draw

@@ -1819,3 +1819,21 @@ def test_ctrl_c_stops_a_script_in_one_line(tmp_path, script):
     assert (p.returncode, err) == (130, f"{script}: interrupted\n")
     out = tmp_path / "out" / "pathology" if only else tmp_path / "out"
     assert not out.exists() and not list(out.parent.glob(".*")), "the run left something in or beside the benchmark's folder"
+
+
+@pytest.mark.parametrize("script", ["prepare_all.py", "ophthalmology.py", "pathology.py", "radiology.py"])
+def test_ctrl_c_while_a_script_loads_is_one_line_too(tmp_path, script):
+    "Ctrl-C in a script's first seconds, while torch and the library load, printed a KeyboardInterrupt traceback (exit -2)."
+    slow = tmp_path / "slow" / "proton"  # a `proton` that takes its time to load, as torch does: the run is surely inside its imports
+    slow.mkdir(parents=True)
+    (slow / "__init__.py").write_text(f"open({str(tmp_path / 'loading')!r}, 'w').close()\nimport time\ntime.sleep(60)\n")
+    env = script_env(False) | {"PYTHONPATH": str(slow.parent)}
+    p = subprocess.Popen([sys.executable, str(DATA_SCRIPTS / script), "--out", str(tmp_path / "out"), "--dry-run"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "loading").exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (130, f"{script}: interrupted\n")

@@ -35,7 +35,7 @@ def test_presets_cover_every_knob_and_the_paper_domains():
     knobs = {k for k in asdict(SyntheticWorld()) if k != "seed"}
     assert set(PRESETS) >= {"default", "ophthalmology", "radiology", "pathology"}
     for name, values in PRESETS.items(): assert set(values) == knobs, name
-    assert set(DOMAIN_MODELS) == set(REPORTED["table2b"]) == set(PRESETS) - {"default"}
+    assert set(DOMAIN_MODELS) == set(REPORTED["table1b"]) == set(PRESETS) - {"default"}
 
 
 def test_preset_unknown_name_and_knob():

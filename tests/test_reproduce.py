@@ -310,3 +310,25 @@ def test_each_table_of_the_report_carries_the_papers_table_number():
             [name] = [k for k, c in CAPTIONS.items() if phrase in c]
             assert name == f"table{numbers[label]}{part}" and name in REPORTED, (label, phrase, name)
             assert CAPTIONS[name].startswith(f"Table {numbers[label]}" + (f"({part})" if part else "") + ":"), CAPTIONS[name]
+
+
+def test_figure3a_draws_the_drift_and_dashes_the_index_where_every_class_reaches_k_min(tmp_path, monkeypatch):
+    "The paper's Figure 3(a): cosine to the final prototype, drift and PCA paths per domain, dashed lines where all classes reach K_min."
+    import matplotlib.pyplot as plt
+    from proton.bench import EmbeddingCache, SyntheticWorld
+    from proton.bench.experiments.dynamics import dynamics
+    from proton.detector import ProtonConfig
+    from proton.models.reproduce import figure3a
+    cache = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=120, n_per_shift=40)
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # keep the figure instead of closing it
+    figure3a({"ophthalmology": cache, "radiology": cache}, tmp_path / "a.png")
+    [fig] = drawn
+    rows = dynamics(cache, shifts="covariate")
+    at = rows.groupby("t").received.min().ge(ProtonConfig().k_min).idxmax()  # the first index at which every class holds K_min images
+    assert len(fig.axes) == 2 * 3
+    for cosine, drift, paths in np.reshape(fig.axes, (2, 3)):
+        assert "cosine" in cosine.get_ylabel() and "drift" in drift.get_ylabel() and "PC 2" in paths.get_ylabel()
+        dashed = lambda ax: {float(l.get_xdata()[0]) for l in ax.lines if l.get_linestyle() == "--" and len(set(l.get_xdata())) == 1}
+        assert dashed(cosine) == {at} and dashed(drift) == {ProtonConfig().k_min}
+        assert len(drift.lines) > 1  # the classes' drift curves beside the dashed line

@@ -24,7 +24,7 @@ from ..bench.cache import EmbeddingCache
 from ..bench.evaluation import PAPER_PROTOCOL, carve_held_out, import_pandas
 from ..bench.experiments import PAPER, REPORTED, experiment
 from ..bench.experiments.cross_domain import DOMAIN_MODELS
-from ..bench.experiments.dynamics import dynamics, trajectories
+from ..bench.experiments.dynamics import dynamics, plot_convergence, trajectories
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
@@ -178,25 +178,15 @@ def _concat(frames): return import_pandas().concat(frames, ignore_index=True)
 # %% ../../nbs/45_reproduce.ipynb
 def figure3a(caches:dict, # {domain: EmbeddingCache}
              path:Path): # the PNG file to write
-    "Figure 3(a) per domain: each class prototype's cosine to its final value along a covariate stream, and its PCA path."
+    "Figure 3(a) per domain: along a covariate stream, each class prototype's cosine to its final value and drift, dashed where every class reaches K_min, and its PCA path."
     import matplotlib; matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(caches), 2, figsize=(9, 2.8 * len(caches)), squeeze=False)
-    for (domain, cache), (left, right) in zip(caches.items(), axes):
+    fig, axes = plt.subplots(len(caches), 3, figsize=(12, 3 * len(caches)), squeeze=False)
+    for (domain, cache), row in zip(caches.items(), axes):
         if "covariate" not in cache.shifts_present:  # a prepared folder without its covariate shift: say so in its panels
-            for ax in (left, right): ax.text(.5, .5, "no covariate images", ha="center", va="center", transform=ax.transAxes); ax.set(title=domain)
+            for ax in row: ax.text(.5, .5, "no covariate images", ha="center", va="center", transform=ax.transAxes); ax.set(title=domain)
             continue
-        rows = dynamics(cache, shifts="covariate")
-        for c, g in rows.groupby("class", sort=False): left.plot(g.t, g.cosine_to_final, lw=1.2, label=c)
-        left.set(xlabel="stream index", ylabel="cosine to final prototype", title=f"{domain}: convergence")
-        if rows.received.any(): left.legend(fontsize=8, loc="lower right")
-        right.set(xlabel="PC 1", ylabel="PC 2", title=f"{domain}: prototype paths (★ final)")
-        if not rows.received.any():  # nothing passed the confidence gate: no prototype to draw
-            right.text(.5, .5, "no prototype formed:\nno image passed the gate", ha="center", va="center", transform=right.transAxes)
-            continue
-        for c, g in trajectories(cache).paths.groupby("class", sort=False):
-            line, = right.plot(g.pc1, g.pc2, lw=1, label=c)
-            right.plot(g.pc1.iloc[-1], g.pc2.iloc[-1], "*", ms=12, color=line.get_color())
+        plot_convergence(dynamics(cache, shifts="covariate"), trajectories(cache), row, f"{domain}: convergence")
     fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
     return path
 
@@ -296,7 +286,7 @@ CAPTIONS = {
     "table3c": "Table 3(c): covariate AUROC, AUPR and FPR95 (%) against the bank size M, γ = 0.7, ophthalmology",
     "table4a": "Table 4(a): covariate AUROC (%) of six base scores alone and as PROTON's base score, ophthalmology",
     "table4b": "Table 4(b): covariate AUROC (%) of broader baselines, ophthalmology",
-    "figure3a": "Figure 3(a): prototype convergence and PCA paths along a covariate stream, per domain",
+    "figure3a": "Figure 3(a): prototype convergence (cosine to the final prototype and drift, dashed where every class reaches K_min) and PCA paths along a covariate stream, per domain",
     "figure3b": "Figure 3(b): PROTON's covariate AUROC gain over MCM across γ × M, per domain (★ the default)",
 }
 

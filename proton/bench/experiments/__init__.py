@@ -36,7 +36,7 @@ def experiment(name:str): # a key of `EXPERIMENTS`
     return getattr(importlib.import_module(f"proton.bench.experiments.{name}"), name)
 
 # %% ../../../nbs/experiments.ipynb
-REPORTED = {  # every number of the paper's tables, as reported by the paper (FLAIR + FIVES unless a domain is named)
+REPORTED = {  # every number of the paper's tables, and those of its text that the chapters compare with, as reported by the paper (FLAIR + FIVES unless a domain is named)
     "table2": {  # method -> shift -> (AUROC, AUPR, FPR95)
         "max_logit": {"semantic": (40.3, 35.0, 97.0), "covariate": (42.8, 30.0, 94.2), "far": (73.8, 59.2, 58.2)},
         "energy": {"semantic": (39.8, 35.0, 97.0), "covariate": (43.8, 30.0, 93.1), "far": (71.4, 56.6, 61.9)},
@@ -56,6 +56,9 @@ REPORTED = {  # every number of the paper's tables, as reported by the paper (FL
                 "tag_mcm": (45.7, 67.1)},  # base score -> covariate AUROC (alone, under PROTON)
     "misrouted": {"mcm": 57.6, "proton": 65.5},  # covariate AUROC with 30 % of the images misrouted (the paper's text)
     "orders": {"semantic": (62.7, 1.1), "covariate": (66.3, 1.8), "far": (84.5, 0.9)},  # PROTON's AUROC, mean and std over five orders (its text)
+    "figure1": {"mcm_overlap": (51, 88), "caught_by_proto": (51, 91)},  # Fig. 1's caption (tex l.83-84): MCM overlap of ID and OOD, covariate OOD caught by the prototype distance, min-max over the three domains
+    "var_ref_mean_auroc": (69.8, 71.2),  # PROTON's mean AUROC over the shifts, min-max as σ²₀ sweeps [0.005, 0.08] (its setup, tex l.183)
+    "triage_macro_f1": 0.70,  # macro-F1 of the 3-way shift triage from (S_MCM, S_proto), a fraction (its Discussion, tex l.335)
     "table4b": {"tag_mcm": 45.7, "knn_id": 70.8, "mahalanobis_id": 68.6, "hier_mcm": 87.7, "proton": 66.3, "proton[hier_mcm]": 88.4},  # covariate AUROC
 }
 PAPER = "reported by the paper"  # the label of their column

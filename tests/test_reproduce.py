@@ -332,3 +332,27 @@ def test_figure3a_draws_the_drift_and_dashes_the_index_where_every_class_reaches
         dashed = lambda ax: {float(l.get_xdata()[0]) for l in ax.lines if l.get_linestyle() == "--" and len(set(l.get_xdata())) == 1}
         assert dashed(cosine) == {at} and dashed(drift) == {ProtonConfig().k_min}
         assert len(drift.lines) > 1  # the classes' drift curves beside the dashed line
+
+
+def test_the_main_table_has_the_papers_delta_row_and_the_rho_table_its_mcm_reference():
+    "Table 2's 'Δ vs MCM' row is PROTON's row less MCM's, ours and the paper's; Table 1(a)'s 'MCM (ref.)' row is MCM at ρ = 0.7 beside the paper's MCM."
+    from proton.bench.cache import EmbeddingCache
+    from proton.bench.experiments import PAPER
+    from proton.bench.synth import SyntheticWorld
+    from proton.models.reproduce import paper_results
+    c = EmbeddingCache.from_world(SyntheticWorld.preset("ophthalmology"), n_id=100, n_per_shift=40, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t, _, _ = paper_results({"ophthalmology": c}, n_permutations=1, progress=False)
+    main, rho = t["table2"], t["table1a"]
+    assert np.allclose(main.loc["Δ vs MCM"], main.loc["PROTON"] - main.loc["MCM"], atol=1e-9)
+    assert main.loc["Δ vs MCM", ("covariate AUROC", PAPER)] == 23.9 and main.loc["Δ vs MCM", ("semantic FPR95", PAPER)] == -11.1
+    assert rho.loc["MCM (ref.)", ("covariate", PAPER)] == 42.4
+    assert rho.loc["MCM (ref.)", ("covariate", "ours")] == main.loc["MCM", ("covariate AUROC", "ours")]
+
+
+def test_the_report_names_what_of_the_paper_it_does_not_make(report):
+    "Figure 1 and the robustness numbers of the paper's text are not in the report: its metadata and the command's output say so."
+    md = json.loads((report[0] / "report" / "metadata.json").read_text())
+    assert "figure1" in md["not_made"] and "misrouting and stream orders" in md["not_made"]
+    assert "Figure 1" in (report[0] / "report" / "report.md").read_text()

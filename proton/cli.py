@@ -18,7 +18,7 @@ COMMANDS = {"evaluate": "run the experiments on embedding caches (or on the synt
             "extract": "encode a prepared image folder with a VLM into an embedding cache",
             "info": "check an embedding cache and print a summary",
             "score": "score your own images (a folder, a file list or a cache) as one resumable stream, one row per image",
-            "reproduce": "from prepared image folders to every table and figure of the paper, in a report folder"}
+            "reproduce": "from prepared image folders to the paper's tables and Figure 3, in a report folder"}
 
 def info_main(argv:list|None=None): # command-line arguments after `info`
     "`proton-ood info CACHE [CACHE ...]`: validate each cache and print its summary."

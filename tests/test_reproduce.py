@@ -1,5 +1,7 @@
 """`proton-ood reproduce` end to end, offline: tiny prepared folders of generated images, random-weight models, the whole report."""
 import json
+import os
+from pathlib import Path
 import re
 import sys
 import time
@@ -69,18 +71,18 @@ def test_reproduce_runs_end_to_end_in_under_a_minute(report):
     assert seconds < 60, f"took {seconds:.0f} s"
     out = root / "report"
     assert (out / "report.md").is_file() and (out / "figures" / "figure3a.png").is_file() and (out / "figures" / "figure3b.png").is_file()
-    for name in ("table1", "table2a", "table2b", "table3a", "table3b", "table3c", "table4a", "table4b"):
+    for name in ("table2", "table1a", "table1b", "table3a", "table3b", "table3c", "table4a", "table4b"):
         assert (out / "tables" / f"{name}.csv").is_file(), name
 
 
 def test_tables_put_ours_beside_the_papers(report):
     out = report[0] / "report"
-    t1 = pd.read_csv(out / "tables" / "table1.csv", header=[0, 1], index_col=0)
-    assert ("covariate AUROC", "reported by the paper") in t1.columns and ("covariate AUROC", "ours") in t1.columns
-    assert t1.loc["PROTON", ("covariate AUROC", "reported by the paper")] == 66.3
-    assert t1.loc[["MCM", "MCM (L=1)", "MCM (L=5)", "PROTON"], ("covariate AUROC", "ours")].notna().all()  # prompt sets came through
-    t2b = pd.read_csv(out / "tables" / "table2b.csv", header=[0, 1], index_col=0)
-    assert list(t2b[("MCM", "ours")].dropna().index) == ["Ophth. (FLAIR)", "Radio. (UniMedCLIP)"]
+    t2 = pd.read_csv(out / "tables" / "table2.csv", header=[0, 1], index_col=0)
+    assert ("covariate AUROC", "reported by the paper") in t2.columns and ("covariate AUROC", "ours") in t2.columns
+    assert t2.loc["PROTON", ("covariate AUROC", "reported by the paper")] == 66.3
+    assert t2.loc[["MCM", "MCM (L=1)", "MCM (L=5)", "PROTON"], ("covariate AUROC", "ours")].notna().all()  # prompt sets came through
+    t1b = pd.read_csv(out / "tables" / "table1b.csv", header=[0, 1], index_col=0)
+    assert list(t1b[("MCM", "ours")].dropna().index) == ["Ophth. (FLAIR)", "Radio. (UniMedCLIP)"]
 
 
 def test_metadata_records_models_hashes_protocol_and_what_is_missing(report):
@@ -110,14 +112,14 @@ def test_a_domain_without_one_shift_gets_its_tables_with_that_shift_left_empty(m
     full = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=120, n_per_shift=40)
     cache = full.subset(np.flatnonzero(np.array(full.shift) != missing))
     tables, raw, notes = paper_results({"ophthalmology": cache, "radiology": cache}, n_permutations=1, progress=False)
-    covariate_only = ("table2b", "table3b", "table3c", "table4a", "table4b")  # Table 2(b), 3(b, c) and 4 are about the covariate shift
-    assert sorted(tables) == sorted({"table1", "table2a", "table2b", "table3a", "table3b", "table3c", "table4a", "table4b"}
+    covariate_only = ("table1b", "table3b", "table3c", "table4a", "table4b")  # Table 1(b), 3(b, c) and 4 are about the covariate shift
+    assert sorted(tables) == sorted({"table2", "table1a", "table1b", "table3a", "table3b", "table3c", "table4a", "table4b"}
                                     - ({"table3b", "table3c"} if missing == "covariate" else set()))  # no covariate: no sensitivity sweep
     for name, t in tables.items():
         ours = t.xs("ours", axis=1, level=1)
         empty = [c for c in ours.columns if ours[c].isna().all()]
         assert sorted(empty) == sorted(c for c in ours.columns if missing in c or (missing == "covariate" and name in covariate_only)), (name, empty)
-    assert f"no '{missing}' images" in notes["table2a"]
+    assert f"no '{missing}' images" in notes["table1a"]
     if missing == "covariate": assert notes["sensitivity (ophthalmology)"].startswith("could not be made") and raw["sensitivity"] == {}
     else: assert figure3b(raw["sensitivity"], tmp_path / "b.png").is_file()
     assert figure3a({"ophthalmology": cache}, tmp_path / "a.png").is_file()
@@ -221,7 +223,7 @@ def test_extraction_inside_reproduce_keeps_its_warnings_but_the_skipped_images(t
 
 
 def test_one_configuration_gives_one_number_across_the_tables_on_a_cache_without_a_fit_split():
-    "Without a fit split, every table streams the images left after one held-out split: PROTON's and MCM's defaults agree across tables, and Table 1 is the main table's."
+    "Without a fit split, every table streams the images left after one held-out split: PROTON's and MCM's defaults agree across tables, and Table 2 is the main table's."
     from proton.bench.cache import EmbeddingCache
     from proton.bench.experiments.main_table import main_table
     from proton.bench.synth import SyntheticWorld
@@ -232,9 +234,9 @@ def test_one_configuration_gives_one_number_across_the_tables_on_a_cache_without
         t, _, _ = paper_results({"ophthalmology": c}, n_permutations=1, progress=False)
         main = main_table(c, n_permutations=1, progress=False)
     o = lambda name: t[name].xs("ours", axis=1, level=1)
-    proton = {o("table1").loc["PROTON", "covariate AUROC"], o("table4b").loc["proton", "covariate AUROC"], o("table2a").loc[0.7, "covariate"],
-              o("table2b").loc["Ophth. (FLAIR)", "PROTON"], o("table3a").loc["+ confidence gate (full)", "covariate"], o("table3b").loc[0.7, "AUROC"]}
-    mcm = {o("table1").loc["MCM", "covariate AUROC"], o("table3a").loc["mcm", "covariate"], o("table2b").loc["Ophth. (FLAIR)", "MCM"]}
+    proton = {o("table2").loc["PROTON", "covariate AUROC"], o("table4b").loc["proton", "covariate AUROC"], o("table1a").loc[0.7, "covariate"],
+              o("table1b").loc["Ophth. (FLAIR)", "PROTON"], o("table3a").loc["+ confidence gate (full)", "covariate"], o("table3b").loc[0.7, "AUROC"]}
+    mcm = {o("table2").loc["MCM", "covariate AUROC"], o("table3a").loc["mcm", "covariate"], o("table1b").loc["Ophth. (FLAIR)", "MCM"]}
     assert len(proton) == 1 and len(mcm) == 1, (proton, mcm)
     cov = main[main["shift"] == "covariate"].groupby("method").auroc.mean().mul(100).round(1)
     assert proton == {cov["proton"]} and mcm == {cov["mcm"]}
@@ -283,3 +285,74 @@ def test_a_flair_cache_extracted_with_another_text_pooling_is_not_reused(tmp_pat
     cache.save(out)  # as a cache written before the pooling was recorded
     with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* records no text pooling \(made before it was recorded\), but the reproduction"):
         reuse()
+
+
+PAPER_TEX = Path(os.environ.get("PROTON_PAPER_TEX", "/work/shared/paper/proton-paper.tex"))  # the paper's LaTeX source, where this machine has it
+PARTS = {"tab:main": ("zero-shot OOD detection",), "tab:robust": ("ID fraction ρ", "in each domain"),  # each table of the paper: its parts, by a phrase of the report's caption
+         "tab:ablations": ("components are added", "confidence threshold γ", "bank size M"), "tab:basescores": ("six base scores", "broader baselines")}
+
+
+def paper_table_numbers(tex:str):
+    "{label: number} of the paper's tables: LaTeX numbers them in the order of their captions."
+    tables = re.findall(r"\\begin\{table\*?\}(.*?)\\end\{table\*?\}", tex, flags=re.S)
+    return {re.search(r"\\label\{([^}]*)\}", t).group(1): n for n, t in enumerate((t for t in tables if "\\caption" in t), 1)}
+
+
+@pytest.mark.skipif(not PAPER_TEX.is_file(), reason=f"no paper source at {PAPER_TEX} (set PROTON_PAPER_TEX)")
+def test_each_table_of_the_report_carries_the_papers_table_number():
+    "The report's table names, captions and `REPORTED` keys number each table as LaTeX numbers it in the paper's source."
+    from proton.bench.experiments import REPORTED
+    from proton.models.reproduce import CAPTIONS
+    numbers = paper_table_numbers(PAPER_TEX.read_text())
+    assert set(numbers) == set(PARTS)
+    for label, phrases in PARTS.items():
+        for part, phrase in zip("abc" if len(phrases) > 1 else ("",), phrases):
+            [name] = [k for k, c in CAPTIONS.items() if phrase in c]
+            assert name == f"table{numbers[label]}{part}" and name in REPORTED, (label, phrase, name)
+            assert CAPTIONS[name].startswith(f"Table {numbers[label]}" + (f"({part})" if part else "") + ":"), CAPTIONS[name]
+
+
+def test_figure3a_draws_the_drift_and_dashes_the_index_where_every_class_reaches_k_min(tmp_path, monkeypatch):
+    "The paper's Figure 3(a): cosine to the final prototype, drift and PCA paths per domain, dashed lines where all classes reach K_min."
+    import matplotlib.pyplot as plt
+    from proton.bench import EmbeddingCache, SyntheticWorld
+    from proton.bench.experiments.dynamics import dynamics
+    from proton.detector import ProtonConfig
+    from proton.models.reproduce import figure3a
+    cache = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=120, n_per_shift=40)
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # keep the figure instead of closing it
+    figure3a({"ophthalmology": cache, "radiology": cache}, tmp_path / "a.png")
+    [fig] = drawn
+    rows = dynamics(cache, shifts="covariate")
+    at = rows.groupby("t").received.min().ge(ProtonConfig().k_min).idxmax()  # the first index at which every class holds K_min images
+    assert len(fig.axes) == 2 * 3
+    for cosine, drift, paths in np.reshape(fig.axes, (2, 3)):
+        assert "cosine" in cosine.get_ylabel() and "drift" in drift.get_ylabel() and "PC 2" in paths.get_ylabel()
+        dashed = lambda ax: {float(l.get_xdata()[0]) for l in ax.lines if l.get_linestyle() == "--" and len(set(l.get_xdata())) == 1}
+        assert dashed(cosine) == {at} and dashed(drift) == {ProtonConfig().k_min}
+        assert len(drift.lines) > 1  # the classes' drift curves beside the dashed line
+
+
+def test_the_main_table_has_the_papers_delta_row_and_the_rho_table_its_mcm_reference():
+    "Table 2's 'Δ vs MCM' row is PROTON's row less MCM's, ours and the paper's; Table 1(a)'s 'MCM (ref.)' row is MCM at ρ = 0.7 beside the paper's MCM."
+    from proton.bench.cache import EmbeddingCache
+    from proton.bench.experiments import PAPER
+    from proton.bench.synth import SyntheticWorld
+    from proton.models.reproduce import paper_results
+    c = EmbeddingCache.from_world(SyntheticWorld.preset("ophthalmology"), n_id=100, n_per_shift=40, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t, _, _ = paper_results({"ophthalmology": c}, n_permutations=1, progress=False)
+    main, rho = t["table2"], t["table1a"]
+    assert np.allclose(main.loc["Δ vs MCM"], main.loc["PROTON"] - main.loc["MCM"], atol=1e-9)
+    assert main.loc["Δ vs MCM", ("covariate AUROC", PAPER)] == 23.9 and main.loc["Δ vs MCM", ("semantic FPR95", PAPER)] == -11.1
+    assert rho.loc["MCM (ref.)", ("covariate", PAPER)] == 42.4
+    assert rho.loc["MCM (ref.)", ("covariate", "ours")] == main.loc["MCM", ("covariate AUROC", "ours")]
+
+
+def test_the_report_names_what_of_the_paper_it_does_not_make(report):
+    "Figure 1 and the robustness numbers of the paper's text are not in the report: its metadata and the command's output say so."
+    md = json.loads((report[0] / "report" / "metadata.json").read_text())
+    assert "figure1" in md["not_made"] and "misrouting and stream orders" in md["not_made"]
+    assert "Figure 1" in (report[0] / "report" / "report.md").read_text()

@@ -346,7 +346,7 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
               amp:bool=False, # extract under float16 autocast; False: float32, as the authors run it
               n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
               progress:bool=True): # show progress bars
-    "From prepared folders to the paper's tables and Figure 3: each domain's cache (extracted when missing), every experiment, a report."
+    "From prepared folders to the paper's tables and Figure 3: each domain's cache (extracted when missing), the experiments behind them, a report."
     data, out = Path(data), Path(out)
     present = [d for d in DOMAINS if (data / d).is_dir()]
     if not present: raise ValueError(f"no prepared folder in {data}: expected one or more of {', '.join(DOMAINS)} (the data scripts write them)")

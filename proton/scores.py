@@ -24,14 +24,19 @@ def as_tensor(x, # numpy array, torch tensor or nested list
               name:str="input", # what `x` is, used in error messages
               check_finite:bool=True): # refuse NaN and Inf entries
     "`x` as a floating torch tensor without autograd history, refusing NaN, Inf, booleans and complex numbers; numpy's long double becomes float64."
+    overflow = False
     try:
         if isinstance(x, Tensor): t = x.detach()  # scoring records no autograd history
         else:
             a = np.ascontiguousarray(x)
-            t = torch.as_tensor(a.astype(np.float64) if a.dtype.kind == "f" and a.dtype.type not in NUMPY_FLOATS else a)  # long double: torch has none
+            if a.dtype.kind == "f" and a.dtype.type not in NUMPY_FLOATS:  # long double: torch has none
+                with np.errstate(over="ignore"): a, wide = a.astype(np.float64), a
+                overflow = bool((np.isinf(a) & np.isfinite(wide)).any())
+            t = torch.as_tensor(a)
     except (TypeError, ValueError):  # None, a string, a net's (features, logits) tuple: numpy's message names neither `name` nor the type
         kind = f"ndarray of dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
         raise ValueError(f"{name} must be a numeric array or tensor, got {kind}") from None
+    if overflow: raise ValueError(f"{name} hold values too large for float64 (given as {x.dtype})")
     if t.dtype == torch.bool or t.is_complex(): raise ValueError(f"{name} must be real numbers, got dtype {t.dtype}")
     t = t.to(device=device, dtype=dtype or (t.dtype if t.is_floating_point() else torch.float32))
     if not check_finite: return t
@@ -81,7 +86,7 @@ def as_unit_rows(x, # (N, d) or (d,) vectors, numpy or torch
 def compute_dtype(x, # numpy array, torch tensor or nested list
                   dtype:torch.dtype|None=None, # an explicit choice, which wins
                   name:str="input"): # what `x` is, used in error messages
-    "The floating dtype to compute in: `dtype` if given, else float64 for float64 input and float32 for anything else."
+    "The floating dtype to compute in: `dtype` if given, else float64 for float64 (or long double) input and float32 for anything else."
     if dtype is not None: return dtype
     src = as_tensor(x, name=name, check_finite=False).dtype  # what is no numeric array is named here, in one line
     return torch.float64 if src == torch.float64 else torch.float32

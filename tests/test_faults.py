@@ -163,7 +163,8 @@ def test_base_scores_or_routed_classes_of_more_than_one_dimension_are_refused(ar
 
 def test_one_image_takes_its_base_score_or_routed_class_as_a_number():
     "A single image's base score or class given as a number, as one writes it for one image, is its (1,) array."
-    for kw, one in ((dict(base=0.25), dict(base=[0.25])), (dict(routed=1), dict(routed=[1]))):
+    for kw, one in ((dict(base=0.25), dict(base=[0.25])), (dict(base=torch.tensor(0.25)), dict(base=[0.25])), (dict(base=np.float64(0.25)), dict(base=[0.25])),
+                    (dict(routed=1), dict(routed=[1])), (dict(routed=torch.tensor(1)), dict(routed=[1]))):
         a, b = Proton(T, CFG), Proton(T, CFG)
         assert torch.equal(a.score(E[0], **kw), b.score(E[:1], **one))
         with pytest.raises(ValueError, match=r"^(base scores|routed classes) must (have shape \(2,\)|hold one class per image \(2\))"): a.score(E[:2], **kw)
@@ -477,3 +478,9 @@ def test_a_callable_base_score_for_a_state_saved_with_a_named_one_is_refused(tmp
                  lambda: load_monitor(tmp_path / "mon.pt", base_score=energy)):
         with pytest.raises(ValueError, match=r"^state was saved with base score 'mcm', yet a base_score callable was given: pass one only for a state saved with a custom base score$"): load()
     assert load_detector(tmp_path / "det.pt").config.base_score == "mcm"
+
+
+def test_a_long_double_beyond_float64_is_named_too_large_not_nan():
+    "numpy's long double holds 1e4000; read as float64 it is Inf, and the error said NaN or Inf where the input holds neither."
+    x = np.full((1, T.shape[1]), np.longdouble("1e4000"))
+    with pytest.raises(ValueError, match=r"^image embeddings hold values too large for float64"): Proton(T, CFG).score(x)

@@ -115,15 +115,23 @@ def _classify(self:Proton,
     if norms is not None: logits /= norms[:, None]
     if base is None: out = classify(logits, self.base_fn)
     else:
-        base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
-        if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")
+        base = self._base_scores(base, len(X))
         out = (base, *classify(logits, lambda l: base)[1:])
     if (out[0].abs() > MAX_BASE).any():
         raise ValueError(f"base scores must lie within ±{MAX_BASE:g}, where their squares cannot overflow the running variance; got one of magnitude {float(out[0].abs().max()):.3g}")
     if routed is None: return out
     w = (logits - logits.amax(1, keepdim=True)).exp()  # as `top_softmax`: the zero-shot class's probability is 1 / w.sum() to the last bit
     return out[0], w.gather(1, routed[:, None]).squeeze(1) / w.sum(1), routed
-add_methods(Proton, _classify=_classify)
+
+def _base_scores(self:Proton,
+                 base, # base scores computed elsewhere: (n,), or a number for one image
+                 n:int): # images
+    "`base` as (n,) scores in the detector's dtype and device, or a `ValueError` naming what it got."
+    base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
+    if base.ndim == 0: base = base.reshape(1)  # one image's score, as a number
+    if base.shape != (n,): raise ValueError(f"base scores must have shape ({n},), got {tuple(base.shape)}")  # a (2, 2) array is no 4 scores
+    return base
+add_methods(Proton, _classify=_classify, _base_scores=_base_scores)
 
 def class_indices(values, # classes, one per image: an integer array, tensor or list
                   n_classes:int, # C
@@ -235,9 +243,7 @@ def _score(self:Proton,
         self._learn_var_ref()
         return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
-    if base is not None:
-        base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
-        if base.shape != (len(X),): raise ValueError(f"base scores must have shape ({len(X)},), got {tuple(base.shape)}")  # a (2, 2) array is no 4 scores
+    if base is not None: base = self._base_scores(base, len(X))
     if routed is not None: routed = self._check_routed(routed, len(X))
     saved = self._snapshot()
     try:
@@ -299,8 +305,8 @@ def _to(self:Proton, device): # "cpu", "cuda", "cuda:1" or a torch.device
     return self
 
 def _copy(self:Proton):
-    "`copy.copy(det)`: a detector with its own stream state, as `copy.deepcopy` makes it (sharing the bank, scoring either would corrupt the other)."
-    return copy.deepcopy(self)
+    "`copy.copy(det)`: a detector with its own stream state (sharing the bank, scoring either would corrupt the other), sharing its configuration and base score."
+    return copy.deepcopy(self, {id(self.config): self.config, id(self.base_fn): self.base_fn})  # a base score may belong to a model, or hold a lock
 
 add_methods(Proton, state_dict=_state_dict, reset=_reset, to=_to, __copy__=_copy)
 

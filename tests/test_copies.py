@@ -118,3 +118,16 @@ def test_a_shallow_copy_scores_without_touching_the_original():
     assert all(torch.equal(a, b) for a, b in zip(state(det), before))
     shallow, deep = copy.copy(other), copy.deepcopy(other)
     assert torch.equal(shallow.score(E[:5]), deep.score(E[:5]))
+
+
+def test_a_shallow_copy_shares_a_base_score_it_cannot_copy():
+    "The copy's own stream state must not mean a copy of what the base score belongs to: a model, or an object holding a lock."
+    import threading
+    class Scorer:
+        def __init__(self): self.lock = threading.Lock()
+        def score(self, logits): return -logits.softmax(1).amax(1)
+    T, E = stream()
+    owner = Scorer()
+    det = Proton(T, ProtonConfig(bank_size=5, k_min=1, gamma=0.3, base_score=owner.score))
+    other = copy.copy(det)
+    assert other.config.base_score.__self__ is owner and torch.equal(other.score(E), Proton(T, det.config).score(E))

@@ -2,9 +2,10 @@
 
 Once per session: the repository's files (tracked, plus untracked ones git does not ignore, i.e. what a clone will
 hold) are copied to a temporary folder, a clean virtual environment is created, and the package is installed into
-it from that copy with pip, not in editable mode, with the course extra and ipykernel. Each notebook gets the extras
-its own Colab cell installs, and no others: the notebooks run in order of how many extras they ask for, and an extra
-is added (its requirements from settings.ini) just before the first notebook that asks for it. The copy's `proton/` folder is then
+it from that copy with pip, not in editable mode, with the course extra and ipykernel. The notebooks run in order of
+how many extras their Colab cells ask for, and an extra is added (its requirements from settings.ini) just before the
+first notebook that asks for it: a notebook that asks only for the course extra runs with nothing more, one that asks
+for more may also find an extra a notebook before it asked for (one environment serves them all). The copy's `proton/` folder is then
 deleted, so the only `proton` a notebook can import is the installed one. Each notebook then runs in a kernel of
 that environment, in a temporary copy of its own folder; a notebook whose Colab cell clones the repository gets a
 copy of the whole (package-less) repository instead, as in Colab. Any cell error fails the notebook.

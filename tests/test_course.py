@@ -176,11 +176,3 @@ def test_a_chapter_that_loads_an_open_clip_model_installs_the_vlm_extra(chapter)
         install = next(c for c in code if "google.colab" in c)
         assert re.search(r'proton-ood\[[a-z,]*\bvlm\b', install), f"{chapter} loads an open_clip model: its Colab cell must install the vlm extra"
 
-
-@pytest.mark.parametrize("chapter", CHAPTERS)
-def test_glue_has_a_stand_in_outside_the_book_build(chapter):
-    "myst_nb comes with the book's build, not with any extra: in Colab a chapter prints its glued values instead."
-    for cell in cells(chapter):
-        source = "".join(cell["source"])
-        if cell["cell_type"] == "code" and "from myst_nb import glue" in source:
-            assert re.search(r"^try: from myst_nb import glue\b.*\nexcept ImportError: glue = ", source, re.M), f"{chapter}: import glue in a try, with a stand-in"

@@ -458,3 +458,19 @@ def test_a_fit_split_or_patches_the_detectors_would_refuse_are_refused_at_constr
         small(fit_embeddings=np.zeros((0, 5), np.float32), fit_labels=np.zeros(0, np.int64))
     with pytest.raises(ValueError, match=r"local_embeddings hold no patch.*leave local_embeddings out"):
         small(local_embeddings=np.zeros((7, 0, 5), np.float32))
+
+
+def test_many_classes_are_checked_for_shared_directions_in_little_memory():
+    "The check built all C(C-1)/2 pairs of d-vectors in float64: 1.9 GiB for C = 1,000 and d = 512, 191 GiB for C = 10,000."
+    import subprocess, sys
+    code = ("import resource, numpy as np\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"  # less than the pairs would take (9 GiB)
+            "from proton.bench.cache import EmbeddingCache\n"
+            "T = np.random.default_rng(0).standard_normal((3000, 256)).astype(np.float32); T[2999] = 2 * T[7]\n"
+            "kw = dict(image_embeddings=T[:10], labels=np.arange(10), shift=['id'] * 10, temperature=0.01)\n"
+            "EmbeddingCache(text_embeddings=T[:2999], class_names=[f'c{i}' for i in range(2999)], **kw)\n"
+            "try: EmbeddingCache(text_embeddings=T, class_names=[f'c{i}' for i in range(3000)], **kw)\n"
+            "except ValueError as e: print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == ("text_embeddings rows 7 and 2999 point the same way: "
+                                                      "two classes with one text embedding cannot be told apart"), r.stderr[-500:]

@@ -86,9 +86,9 @@ def _check_directions(E:np.ndarray, # (N, d) image embeddings
     "Raise unless every row can be normalised and no two classes share a text direction (the detector could not tell them apart)."
     for name, X in (("image_embeddings", E), ("text_embeddings", T)): _check_lengths(X, name)
     U = T.astype(np.float64); U = U / np.linalg.norm(U, axis=1, keepdims=True)
-    i, j = np.triu_indices(len(U), 1)
-    same = np.flatnonzero((U[i] * U[j]).sum(1) > 1 - 1e-12)
-    if len(same): raise ValueError(f"text_embeddings rows {i[same[0]]} and {j[same[0]]} point the same way: two classes with one text embedding cannot be told apart")
+    for a in range(0, len(U), 1024):  # cosines of 1,024 rows with the later ones at a time: C × 1,024 numbers, never C² × d
+        i, j = np.nonzero(np.triu(U[a:a + 1024] @ U.T, a + 1) > 1 - 1e-12)
+        if len(i): raise ValueError(f"text_embeddings rows {a + i[0]} and {j[0]} point the same way: two classes with one text embedding cannot be told apart")
 
 def _check_patches(local:np.ndarray): # (N, L, d) local embeddings
     "Raise unless there are patches and every one can be normalised, naming the images, and their patches, that have a zero-length one."

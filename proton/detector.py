@@ -205,7 +205,7 @@ def _scan(self:Proton,
           routed:Tensor|None, # (N,) classes the images are routed to, or None
           keep_parts:bool): # return a `ProtonParts`, not only the scores
     "The vectorised path: the batch in chunks through the engine, with work arrays reused from chunk to chunk."
-    size = chunk_size(self.device)
+    size = chunk_size(self.device, self.n_classes)
     buffers, out = ChunkBuffers(self.bank, min(len(X), size)), []
     for a in range(0, len(X), size):
         rows, lengths = X[a:a + size], norms[a:a + size]

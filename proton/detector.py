@@ -9,6 +9,7 @@ __all__ = ['DEFAULT_TEMPERATURE', 'STATE_FORMAT', 'STATE_KEYS', 'ProtonConfig', 
 # %% ../nbs/14_detector.ipynb
 import copy
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, asdict, replace
 from typing import Callable, NamedTuple
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, compute_dtype, get_base_score, zero_shot_logits, add_methods
-from .bank import PrototypeBank, passes_gate
+from .bank import PrototypeBank, out_of_memory, passes_gate
 from .proto import proto_score
 from .fusion import MAX_BASE, Welford, adaptive_fusion
 from .engine import STEP_MAX, BankViews, ChunkBuffers, chunk_size, scan_chunk, score_one
@@ -189,6 +190,16 @@ def _restore(self:Proton, snapshot:tuple): # from `_snapshot`
     self._set_var_ref(learned)
     self.bank.entries.copy_(entries); self.bank.counts.copy_(counts); self.bank.prototypes.copy_(prototypes)
 
+@contextmanager
+def _memory_named(self:Proton, n:int): # images of the batch being scored
+    "Turn the allocator's failure into a one-line `ValueError` naming the bank's size and the batch's, the settings to change."
+    try: yield
+    except (RuntimeError, MemoryError) as e:
+        if not out_of_memory(e): raise
+        (C, M, d), size = self.bank.entries.shape, self.bank.entries.nbytes / 2**30
+        raise ValueError(f"scoring {n} images at once with a bank of {C} queues of {M} entries of dimension {d} ({size:,.2f} GiB, copied about 4 times while scoring) "
+                         "needs more memory than can be allocated; score fewer images per call or choose a smaller bank_size") from None
+
 def _score_one(self:Proton, x): # one image embedding
     "The (1,) score of one image on the engine's numpy path; None when another path must handle `x`."
     if self.device.type != "cpu": return None
@@ -205,7 +216,7 @@ def _scan(self:Proton,
           routed:Tensor|None, # (N,) classes the images are routed to, or None
           keep_parts:bool): # return a `ProtonParts`, not only the scores
     "The vectorised path: the batch in chunks through the engine, with work arrays reused from chunk to chunk."
-    size = chunk_size(self.device)
+    size = chunk_size(self.device, self.n_classes)
     buffers, out = ChunkBuffers(self.bank, min(len(X), size)), []
     for a in range(0, len(X), size):
         rows, lengths = X[a:a + size], norms[a:a + size]
@@ -245,9 +256,9 @@ def _score(self:Proton,
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
     if base is not None: base = self._base_scores(base, len(X))
     if routed is not None: routed = self._check_routed(routed, len(X))
-    saved = self._snapshot()
+    with self._memory_named(len(X)): saved = self._snapshot()
     try:
-        with torch.no_grad():  # a base score that builds autograd history must not leave it in the bank
+        with torch.no_grad(), self._memory_named(len(X)):  # a base score that builds autograd history must not leave it in the bank
             cut = self.config.warmup - self.welford.n if self._learned_var_ref is None else 0
             if not 0 < cut < len(X):
                 out = self._score_rows(X, norms, base, routed, return_parts)
@@ -261,7 +272,7 @@ def _score(self:Proton,
         self._restore(saved)
         raise
 
-add_methods(Proton, _snapshot=_snapshot, _restore=_restore, _score_one=_score_one, _scan=_scan)
+add_methods(Proton, _snapshot=_snapshot, _restore=_restore, _memory_named=_memory_named, _score_one=_score_one, _scan=_scan)
 add_methods(Proton, _set_var_ref=_set_var_ref, _learn_var_ref=_learn_var_ref, _score_rows=_score_rows, score=_score)
 
 # %% ../nbs/14_detector.ipynb

@@ -305,3 +305,36 @@ def test_long_double_rows_are_scored_alike_on_every_path(dtype):
     for name, run in paths.items():
         det = Proton(torch.as_tensor(T, dtype=dtype), cfg)
         assert torch.equal(run(det, wide), run(Proton(torch.as_tensor(T, dtype=dtype), cfg), E)), name
+
+
+MANY_CLASSES = """
+import json, resource, sys, torch
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a regression fails here, not on the machine
+from proton import Proton, ProtonConfig
+C, d, N = 1000, 64, 16384
+g = torch.Generator().manual_seed(0)
+T = torch.randn(C, d, generator=g)
+X = T[torch.randint(0, C, (N,), generator=g)] + 0.3 * torch.randn(N, d, generator=g)
+cfg = ProtonConfig(bank_size=4, k_min=1)
+small = Proton(T, cfg, temperature=0.01)
+want = torch.cat([small.score(X[a:a + 32]) for a in range(0, N, 32)])
+one = Proton(T, cfg, temperature=0.01)
+open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark: ru_maxrss is now the current RSS
+r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+got = one.score(X)
+growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) * 1024
+print(json.dumps(dict(growth=growth, diff=(got - want).abs().max().item(), bank=torch.equal(one.bank.entries, small.bank.entries))))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
+def test_many_classes_in_one_call_stay_within_the_memory_bound():
+    "C = 1000 classes in one 16,384-image call: the (N, C) and per-tile (blocks, C, d) arrays stay within their budgets; the 32-image calls' results."
+    import json, subprocess, sys
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", MANY_CLASSES], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(done.stdout)
+    assert r["bank"] and r["diff"] <= 1e-5
+    bound = engine.CHUNK_CELLS * 48 + 6 * engine.TILE_BYTES  # the engine chapter's stated bound (its `class_mib`); input and bank add 5 MiB
+    assert r["growth"] <= bound, f"one call grew the RSS by {r['growth'] / 2**20:.0f} MiB, more than {bound / 2**20:.0f} MiB"

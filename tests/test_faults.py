@@ -484,3 +484,28 @@ def test_a_long_double_beyond_float64_is_named_too_large_not_nan():
     "numpy's long double holds 1e4000; read as float64 it is Inf, and the error said NaN or Inf where the input holds neither."
     x = np.full((1, T.shape[1]), np.longdouble("1e4000"))
     with pytest.raises(ValueError, match=r"^image embeddings hold values too large for float64"): Proton(T, CFG).score(x)
+
+
+NO_MEMORY = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                         "you tried to allocate 1024000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("where", ["snapshot", "buffers", "second chunk"])
+def test_a_bank_that_score_cannot_copy_is_named_in_one_line_and_state_kept(monkeypatch, where):
+    "Memory that runs out while scoring (the snapshot, the work arrays, a later chunk) ends in one line naming bank_size and the batch."
+    import proton.detector as detector, proton.engine as engine
+    det = Proton(T, CFG)
+    det.score(E[:100])
+    before = snapshot(det)
+    def fail(*a, **k): raise NO_MEMORY
+    if where == "snapshot": monkeypatch.setattr(Proton, "_snapshot", fail)
+    if where == "buffers": monkeypatch.setattr(detector, "ChunkBuffers", fail)
+    if where == "second chunk":  # the first chunk has advanced the bank when the second fails
+        scan, calls = detector.scan_chunk, []
+        monkeypatch.setattr(engine, "CHUNK_SIZE", 64)
+        monkeypatch.setattr(detector, "scan_chunk", lambda *a: fail() if calls.append(1) or len(calls) == 2 else scan(*a))
+    with pytest.raises(ValueError) as e:
+        det.score(E[100:300])
+    msg = str(e.value)
+    assert "\n" not in msg and "bank_size" in msg and "200 images" in msg and "alloc_cpu" not in msg, msg
+    assert same_state(snapshot(det), before)

@@ -198,7 +198,7 @@ def _memory_named(self:Proton, n:int): # images of the batch being scored
         if not out_of_memory(e): raise
         (C, M, d), size = self.bank.entries.shape, self.bank.entries.nbytes / 2**30
         raise ValueError(f"scoring {n} images at once with a bank of {C} queues of {M} entries of dimension {d} ({size:,.2f} GiB, copied about 4 times while scoring) "
-                         "needs more memory than can be allocated; score fewer images per call or choose a smaller bank_size") from None
+                         "needs more memory than can be allocated; score fewer images per call or choose a smaller bank_size") from e
 
 def _score_one(self:Proton, x): # one image embedding
     "The (1,) score of one image on the engine's numpy path; None when another path must handle `x`."

@@ -303,7 +303,8 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     try: v = np.asarray(x)
     except (TypeError, ValueError): return None  # a ragged list or a tuple: the general path names it
     if v.shape not in shapes or v.dtype.kind != "f": return None
-    if v.dtype.type not in NUMPY_FLOATS: v = v.astype(np.float64)  # long double, rounded as `as_tensor` rounds it
+    if v.dtype.type not in NUMPY_FLOATS:  # long double, rounded as `as_tensor` rounds it; one past float64's range is named there
+        with np.errstate(over="ignore"): v = v.astype(np.float64)
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
     row = torch.from_numpy(v)[None]
     n = torch.linalg.vector_norm(row, dim=1)  # the tensor paths' length to the last bit: the bank keeps the row they keep

@@ -509,3 +509,10 @@ def test_a_bank_that_score_cannot_copy_is_named_in_one_line_and_state_kept(monke
     msg = str(e.value)
     assert "\n" not in msg and "bank_size" in msg and "200 images" in msg and "alloc_cpu" not in msg, msg
     assert same_state(snapshot(det), before)
+
+
+def test_a_base_scores_own_runtime_error_is_not_called_out_of_memory():
+    "Only the allocator's failure is named 'needs more memory': a base score's own RuntimeError (an overflow in its arithmetic) stays its own."
+    def overflowing(logits): return torch.empty(len(logits)).fill_(1e39)
+    with pytest.raises(RuntimeError, match="cannot be converted to type float without overflow"):
+        Proton(T, ProtonConfig(bank_size=10, k_min=1, base_score=overflowing)).score(E[:5])

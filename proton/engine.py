@@ -178,7 +178,7 @@ def tile_blocks(L:int, # images per block
                 dim:int, # d
                 dtype:torch.dtype, # dtype of the embeddings
                 device): # device of the embeddings
-    "Blocks per tile: `TILE` images on a CPU, the whole chunk on a GPU (None), fewer where a (blocks, C, d) array would pass its byte budget."
+    "Blocks per tile: at most `TILE` images on a CPU, no cap on a GPU (the whole chunk, for few classes), and never so many that a (blocks, C, d) array passes the byte budget."
     cuda = torch.device(device).type == "cuda"
     fit = max((CUDA_TILE_BYTES if cuda else TILE_BYTES) // (n_classes * dim * torch.empty(0, dtype=dtype).element_size()), 1)
     return fit if cuda else min(max(TILE // L, 1), fit)

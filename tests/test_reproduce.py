@@ -222,16 +222,24 @@ def test_extraction_inside_reproduce_keeps_its_warnings_but_the_skipped_images(t
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 
-def test_one_configuration_gives_one_number_across_the_tables_on_a_cache_without_a_fit_split():
-    "Without a fit split, every table streams the images left after one held-out split: PROTON's and MCM's defaults agree across tables, and Table 2 is the main table's."
+@pytest.fixture(scope="module")
+def simulated_tables():
+    "A simulated ophthalmology cache without a fit split, and the tables `paper_results` makes of it (one order per shift)."
     from proton.bench.cache import EmbeddingCache
-    from proton.bench.experiments.main_table import main_table
     from proton.bench.synth import SyntheticWorld
     from proton.models.reproduce import paper_results
     c = EmbeddingCache.from_world(SyntheticWorld.preset("ophthalmology"), n_id=100, n_per_shift=40, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t, _, _ = paper_results({"ophthalmology": c}, n_permutations=1, progress=False)
+        return c, paper_results({"ophthalmology": c}, n_permutations=1, progress=False)[0]
+
+
+def test_one_configuration_gives_one_number_across_the_tables_on_a_cache_without_a_fit_split(simulated_tables):
+    "Without a fit split, every table streams the images left after one held-out split: PROTON's and MCM's defaults agree across tables, and Table 2 is the main table's."
+    from proton.bench.experiments.main_table import main_table
+    c, t = simulated_tables
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         main = main_table(c, n_permutations=1, progress=False)
     o = lambda name: t[name].xs("ours", axis=1, level=1)
     proton = {o("table2").loc["PROTON", "covariate AUROC"], o("table4b").loc["proton", "covariate AUROC"], o("table1a").loc[0.7, "covariate"],
@@ -334,17 +342,10 @@ def test_figure3a_draws_the_drift_and_dashes_the_index_where_every_class_reaches
         assert len(drift.lines) > 1  # the classes' drift curves beside the dashed line
 
 
-def test_the_main_table_has_the_papers_delta_row_and_the_rho_table_its_mcm_reference():
+def test_the_main_table_has_the_papers_delta_row_and_the_rho_table_its_mcm_reference(simulated_tables):
     "Table 2's 'Δ vs MCM' row is PROTON's row less MCM's, ours and the paper's; Table 1(a)'s 'MCM (ref.)' row is MCM at ρ = 0.7 beside the paper's MCM."
-    from proton.bench.cache import EmbeddingCache
     from proton.bench.experiments import PAPER
-    from proton.bench.synth import SyntheticWorld
-    from proton.models.reproduce import paper_results
-    c = EmbeddingCache.from_world(SyntheticWorld.preset("ophthalmology"), n_id=100, n_per_shift=40, seed=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t, _, _ = paper_results({"ophthalmology": c}, n_permutations=1, progress=False)
-    main, rho = t["table2"], t["table1a"]
+    main, rho = simulated_tables[1]["table2"], simulated_tables[1]["table1a"]
     assert np.allclose(main.loc["Δ vs MCM"], main.loc["PROTON"] - main.loc["MCM"], atol=1e-9)
     assert main.loc["Δ vs MCM", ("covariate AUROC", PAPER)] == 23.9 and main.loc["Δ vs MCM", ("semantic FPR95", PAPER)] == -11.1
     assert rho.loc["MCM (ref.)", ("covariate", PAPER)] == 42.4

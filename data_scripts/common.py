@@ -200,7 +200,7 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
 
 
 def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
-    """``["key=path", ...]`` as a dict, refusing unknown keys and paths that do not exist."""
+    """``["key=path", ...]`` as a dict of absolute paths (what the prepared folder records), refusing unknown keys and paths that do not exist."""
     local = {}
     for item in items:
         key, sep, path = item.partition("=")
@@ -210,7 +210,7 @@ def parse_local(items: list[str], known: list[str]) -> dict[str, Path]:
             raise ValueError(f"--local {item!r}: unknown source {key!r}; this script's sources are {known}")
         if not Path(path).expanduser().exists():  # before any download, not when its turn comes
             raise FileNotFoundError(f"--local {key}={path}: no such file or folder")
-        local[key] = Path(path)
+        local[key] = Path(os.path.abspath(Path(path).expanduser()))  # a link keeps its own name: a copy named as the manifest says is checked
     return local
 
 

@@ -347,7 +347,7 @@ def fetch(key: str, # manifest key
           ) -> tuple[Path, str]:
     """Return a local path for a source (the user's copy, the cached download, or a fresh download) and how it was verified."""
     if local is not None:
-        local = Path(local).expanduser()
+        local = Path(os.path.abspath(Path(local).expanduser()))
         if not local.exists():
             raise FileNotFoundError(f"--local {key}={local}: no such file or folder")
         skipped = unchecked(entry, local)

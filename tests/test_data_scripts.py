@@ -1837,3 +1837,15 @@ def test_ctrl_c_while_a_script_loads_is_one_line_too(tmp_path, script):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert (p.returncode, err) == (130, f"{script}: interrupted\n")
+
+
+def test_a_relative_local_path_is_recorded_absolute(tmp_path, monkeypatch):
+    "A --local path typed relative to the working folder was recorded as typed in classes.json, naming no folder once read from elsewhere."
+    (tmp_path / "crc").mkdir()
+    monkeypatch.chdir(tmp_path)
+    local = common.parse_local(["crc_val=crc", "imagenette=./crc/../crc"], ["crc_val", "imagenette"])
+    assert local == dict(crc_val=tmp_path / "crc", imagenette=tmp_path / "crc")
+    assert fetching.unchecked(dict(download="http", filename="x.zip"), local["crc_val"]) == f"not checked: local folder {tmp_path / 'crc'}"
+    (tmp_path / "store").write_bytes(b"x")
+    (tmp_path / "x.zip").symlink_to(tmp_path / "store")
+    assert common.parse_local(["crc_val=x.zip"], ["crc_val"])["crc_val"] == tmp_path / "x.zip"  # a link keeps its name, which the manifest's checksum goes by

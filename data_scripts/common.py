@@ -18,6 +18,7 @@ from typing import Callable
 import startup
 from archives import LayoutError, View, check_image, open_container
 from fetching import MANIFEST, LoginRequired, fetch, kaggle_command, load_manifest, provenance, unchecked, verification
+from proton.cli import _watch_ctrl_c
 from proton.bench.prepared import (FIT, FOLDERS, PROMPT_SETS_FILE, _places, check_claimable, claim_folder,
                                    image_path, lock_folder, write_classes_file, write_prompt_sets, write_split_table)
 from prompts import prompt_sets
@@ -323,15 +324,18 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
     """``run`` for the command line: prints the plan or a summary, turns any failure but Ctrl-C and a broken pipe into one line and an exit code."""
     try:
         result = run(bench, argv, description)
-    except LoginRequired as err:
-        print(err, file=sys.stderr)
-        return 2
     except BrokenPipeError:  # the reader of stdout left: ``command`` ends the script
         raise
-    except (ValueError, OSError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except Exception as err:  # one line too, so that prepare_all goes on with the other benchmarks; Ctrl-C still stops
+    except Exception as err:
+        if CTRL_C:  # an error that Ctrl-C caused (a read it cut short, a kaggle command it ended) is the Ctrl-C: prepare_all stops
+            raise KeyboardInterrupt from err
+        if isinstance(err, LoginRequired):
+            print(err, file=sys.stderr)
+            return 2
+        if isinstance(err, (ValueError, OSError, ImportError)):
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        # one line too, so that prepare_all goes on with the other benchmarks; Ctrl-C still stops
         print(f"error: unexpected {type(err).__name__}: {err} (a bug: please report it with the command you ran)", file=sys.stderr)
         return 1
     if isinstance(result, str):
@@ -344,11 +348,15 @@ def main(bench: Benchmark, argv: list[str] | None = None, description: str = "")
     return 0
 
 
+CTRL_C: list = []  # an entry per Ctrl-C during a script's work, noted by `command`'s handler
+
+
 def command(body: Callable[[], int], # the script's work; returns its exit code
             ) -> int:
     """``body()`` as a script's exit code: a reader of stdout that leaves ends it silently (141), Ctrl-C in one line (130)."""
     if signal.getsignal(signal.SIGINT) is startup.interrupted:  # the imports are done: Ctrl-C interrupts the work, whose cleanup runs
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _watch_ctrl_c(CTRL_C)
     try:
         code = body()
         sys.stdout.flush()  # buffered output fails here, not in Python's flush at exit
@@ -359,6 +367,8 @@ def command(body: Callable[[], int], # the script's work; returns its exit code
     except KeyboardInterrupt:  # what was written is safe: a partial folder is cleared on the way out
         print(f"{Path(sys.argv[0]).name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        CTRL_C.clear()
 
 
 # ---------------------------------------------------------------------------------------------- far OOD: Imagenette

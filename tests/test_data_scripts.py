@@ -37,6 +37,7 @@ import pathology  # noqa: E402
 import prepare_all  # noqa: E402
 import prompts  # noqa: E402
 import radiology  # noqa: E402
+import startup  # noqa: E402
 
 BENCHMARKS = (ophthalmology.BENCHMARK, radiology.BENCHMARK, pathology.BENCHMARK)
 LISTINGS = DATA_SCRIPTS / "splits" / "listings"
@@ -1849,3 +1850,18 @@ def test_a_relative_local_path_is_recorded_absolute(tmp_path, monkeypatch):
     (tmp_path / "store").write_bytes(b"x")
     (tmp_path / "x.zip").symlink_to(tmp_path / "store")
     assert common.parse_local(["crc_val=x.zip"], ["crc_val"])["crc_val"] == tmp_path / "x.zip"  # a link keeps its name, which the manifest's checksum goes by
+
+
+def test_an_error_that_ctrl_c_caused_stops_prepare_all(tmp_path, monkeypatch, capsys):
+    "A Ctrl-C that a library reports as another error (as an interrupted read can) was printed as that error, and prepare_all went on with the next benchmark."
+    calls = []
+    def run(bench, argv=None, description=""):
+        calls.append(bench.name)
+        try: signal.raise_signal(signal.SIGINT)  # Ctrl-C inside the work...
+        except KeyboardInterrupt as e: raise OSError("read interrupted") from e  # ...which the library reports as its own error
+    monkeypatch.setattr(common, "run", run)
+    previous = signal.signal(signal.SIGINT, startup.interrupted)  # as a script's first line leaves it
+    try: code = common.command(lambda: prepare_all.cli(["--out", str(tmp_path / "out"), "--dry-run"]))
+    finally: signal.signal(signal.SIGINT, previous)
+    assert (code, len(calls), common.CTRL_C) == (130, 1, [])  # and the next run starts afresh
+    assert capsys.readouterr().err.splitlines()[-1].endswith(": interrupted")

@@ -282,12 +282,17 @@ def main(argv=None):
     p.add_argument("--paths", type=names("workers", "device"), default="workers,device", help="comma-separated decoding paths: workers, device")
     p.add_argument("--worker-shares", type=shares, default="0", help="comma-separated worker_share values timed on the device path (default 0)")
     p.add_argument("--shard-size", type=positive, default=256, help="images per shard of the end-to-end runs (default 256, extract's; at least the batch size)")
+    p.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                   help="Python's thread switch interval for the run, in seconds (sys.setswitchinterval; default Python's, 0.005)")
     p.add_argument("--amp", action="store_true", help="forward passes under float16 autocast (extract's amp=True); default float32")
     p.add_argument("--flair-checkpoint", default=None, help="time the released flair_resnet.pth instead of random weights")
     p.add_argument("--flair-tokenizer", default=None, help="folder with Bio_ClinicalBERT's vocab.txt (with --flair-checkpoint)")
     p.add_argument("--breakdown", action="store_true", help="also time one end-to-end run stage by stage, per thread")
     p.add_argument("--json", type=writable, default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        if not args.switch_interval > 0: p.error(f"--switch-interval must be positive, got {args.switch_interval}")
+        sys.setswitchinterval(args.switch_interval)  # how long the thread that feeds the GPU may wait for the GIL held by another
     device = torch.device(args.device)
     n = args.n or (32 if args.quick else 2048)
     batch_size = args.batch_size or (8 if args.quick else 64)
@@ -319,7 +324,8 @@ def main(argv=None):
             for path in args.paths:
                 on_device, why = (None, "") if path == "workers" else device_preprocessing(vlm)
                 row = dict(model=label, weights=weights, files=files, path=path, precision=precision, device=str(device), images=n,
-                           batch_size=batch_size, shard_size=max(args.shard_size, batch_size), workers=workers, forward_only=fwd)
+                           batch_size=batch_size, shard_size=max(args.shard_size, batch_size), workers=workers,
+                           switch_interval=sys.getswitchinterval(), forward_only=fwd)
                 if path == "device" and on_device is None:
                     rows.append(row | dict(refused=why)); continue
                 for share in args.worker_shares if path == "device" else [0]:

@@ -6,7 +6,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl open_clip_torch==3.3.0 ftfy==6.3.1 wcwidth==0.2.13
 # Everything it measures goes to $OUT: log; bench_cuda.json (c); suite.json (e); extract_vit_amp.json, extract_vit_amp_w12.json,
-# extract_vit_amp_shards2048.json, probe_amp.json, extract_vit_fp32.json, extract_flair_512.json and decode_parity.json (d).
+# extract_vit_amp_shards2048.json, extract_vit_amp_switch.json, probe_amp.json, extract_vit_fp32.json, extract_flair_512.json and decode_parity.json (d).
 # Steps, most important first: a) GPU and versions, b) CUDA parity tests, c) stream-engine performance on CUDA,
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: the device path's tests on CUDA (nvJPEG
 # parity with the CPU preprocessing, no host synchronisation while staging), then throughput at steady state, the most
@@ -105,6 +105,9 @@ step "d. worker share, 12 workers" 80 python3 benchmarks/extract.py --device $DE
 # the probe's copies of the loop (no shards written) ran at 58-68 % of forward only where extract ran at 38 % (2026-11-27):
 # one shard per batch (256, the default) against shards of 2,048 images, to see whether writing shards is what the copies lack
 step "d. shards of 2048" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 2 --amp --paths device --shard-size 2048 --breakdown --json "$OUT/extract_vit_amp_shards2048.json"
+# if not the shards, the GIL: the thread that launches the forward passes waits up to Python's switch interval (5 ms) for the
+# GIL each time the writer or the staging thread holds it; against about 13 ms of GPU work per batch of 256
+step "d. switch interval 0.5 ms" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 2 --amp --paths device --switch-interval 0.0005 --json "$OUT/extract_vit_amp_switch.json"
 step "d. probe" 120 python3 benchmarks/extract_probe.py --device $DEV --json "$OUT/probe_amp.json"
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
 step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"

@@ -26,7 +26,7 @@ def run(script, *args):
 def test_extract_benchmark_measures_every_path_and_stage(tmp_path):
     out = tmp_path / "extract.json"
     printed = run("extract.py", "--quick", "--models", "vit-b-32,flair", "--n", "8", "--batch-size", "4", "--workers", "1",
-                  "--fundus-size", "64", "--breakdown", "--worker-shares", "0,0.5", "--json", str(out))
+                  "--fundus-size", "64", "--breakdown", "--worker-shares", "0,0.5", "--switch-interval", "0.001", "--json", str(out))
     rows = {(r["model"].split(",")[0], r["path"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {("ViT-B/32", "workers"), ("ViT-B/32", "device"), ("ViT-B/32", "device 0.5w"), ("FLAIR ResNet-50", "workers"),
                          ("FLAIR ResNet-50", "device")}
@@ -35,6 +35,7 @@ def test_extract_benchmark_measures_every_path_and_stage(tmp_path):
     for key, r in rows.items():
         if "refused" in r: continue
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("forward_only", "loader_only", "end_to_end")), key
+        assert r["switch_interval"] == 0.001, key  # the GIL's switch interval the run had, as asked
         assert r["breakdown"]["main"]["encoding"] > 0 and "writing a shard" in r["breakdown"]["writing"]
         main = r["breakdown"]["main"]  # the whole call: the loop, and what comes before and after it
         assert {"listing the folder", "fingerprinting the run", "reading the shards back", "writing the cache"} <= set(main), key

@@ -1140,8 +1140,17 @@ def test_two_runs_decompressing_one_file_each_get_it_whole(tmp_path, monkeypatch
     a.join(); b.join()
     assert got["a"] == data, f"the first run's .h5 is not the file: {got['a'] if isinstance(got['a'], Exception) else 'wrong bytes'}"
     assert got["b"] == data and (tmp_path / "x.h5").read_bytes() == data
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.h5", "x.h5.gz"], "no temporary file is left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.h5", "x.h5.gz", "x.h5.source"], "no temporary file is left"
 
+
+
+def test_a_replaced_gz_is_decompressed_again(tmp_path):
+    "A .gz replaced by another version (a new download or --local copy) is decompressed afresh, not the old copy reused."
+    gz = tmp_path / "x.h5.gz"
+    gz.write_bytes(gzip.compress(b"version A" * 1000))
+    assert archives.gunzip_once(gz).read_bytes() == b"version A" * 1000
+    gz.write_bytes(gzip.compress(b"version B, longer" * 1000))
+    assert archives.gunzip_once(gz).read_bytes() == b"version B, longer" * 1000
 
 SLOW_RAR_TOOL = """
 import os, sys, tarfile, time
@@ -1222,6 +1231,16 @@ def test_what_a_killed_extraction_left_is_cleared(slow_rar):
     assert extracted(s.rar) == s.files
     assert sorted(p.name for p in s.rar.parent.iterdir()) == ["FIVES.rar", "FIVES.rar.d"]
 
+
+
+def test_a_replaced_rar_is_extracted_again(slow_rar):
+    "FIVES.rar replaced by another version (a new download) is extracted afresh: the old FIVES.rar.d is not read."
+    s = slow_rar
+    (s.control / "a_go").touch(), (s.control / "b_go").touch()
+    assert extracted(s.rar) == s.files
+    make_tgz(s.rar, {"F/train/Original/0_N.png": b"version B", "F/train/Original/99_N.png": b"new in B"})
+    assert extracted(s.rar) == ["F/train/Original/0_N.png", "F/train/Original/99_N.png"]
+    assert (s.rar.parent / "FIVES.rar.d" / "F/train/Original/0_N.png").read_bytes() == b"version B"
 
 @pytest.mark.parametrize("raw,message", [("out", "--raw {out} is also --out"),
                                          ("out/raw", "--raw {out}/raw is inside --out {out}"),

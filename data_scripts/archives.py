@@ -271,7 +271,7 @@ def check_image(data: bytes, what: str) -> None:
             image.verify()  # checksums such as PNG's CRCs, without decoding
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # decodes: a JPEG or TIFF cut short passes verify()
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
         head = data[:40]
         raise LayoutError(f"{what} is not a readable image ({err}); it starts with {head!r}") from err
 

@@ -1491,6 +1491,14 @@ def test_an_image_that_cannot_be_resized_is_named(tmp_path):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False, resize=4)
 
 
+
+@pytest.mark.parametrize("check", [lambda data: archives.check_image(data, "v:big"), lambda data: common.resized(data, 4, "v:big")])
+def test_an_image_over_pils_size_limit_is_named(monkeypatch, check):
+    "An image over PIL's decompression-bomb limit is an unreadable image naming its file, not an unexpected DecompressionBombError."
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 7)  # the image has 16 pixels: over twice this, PIL refuses to open it
+    with pytest.raises(archives.LayoutError, match=r"^v:big .*exceeds limit"):
+        check(image_bytes("PNG"))
+
 def damaged_zip(path, damage):
     """A zip holding ``x/0.tif`` and ``x/1.tif``, whose ``x/1.tif`` cannot be read back: its bytes flipped, or
     compressed with a method Python lacks (Deflate64, as Windows zips large files)."""

@@ -26,6 +26,18 @@ class LayoutError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- archives
 
+MAX_MEMBER_BYTES = 512 << 20  # a zip or tar member is read whole into memory: a larger one is no image or table of a source (a zip bomb)
+
+
+def check_size(path: Path, # the archive
+               member: str, # the member's name in it
+               size: int, # the member's size once decompressed, as the archive declares it
+               ) -> None:
+    """Raise ``LayoutError`` naming the member if ``size`` is over ``MAX_MEMBER_BYTES``, before it is read."""
+    if size > MAX_MEMBER_BYTES:
+        raise LayoutError(f"{path}:{member}: {size} bytes once decompressed, over the {MAX_MEMBER_BYTES} bytes any file "
+                          "of a source may have; is the archive damaged or not the dataset's?")
+
 class Container:
     """Read-only access to the files of a zip, a tar or a folder, by '/'-separated member name."""
 
@@ -66,8 +78,10 @@ class ZipContainer(Container):
     def read(self, member: str) -> bytes:
         # only the central directory is checked on opening: a member's damaged bytes (bad CRC, zlib.error) or a
         # compression zipfile lacks (NotImplementedError for Deflate64, RuntimeError when encrypted) show when it is read
+        info = self.zip.getinfo(member)
+        check_size(self.path, member, info.file_size)  # zipfile reads no more than the declared size
         try:
-            return self.zip.read(member)
+            return self.zip.read(info)
         except (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError) as err:
             raise LayoutError(f"{self.path}:{member}: cannot be read ({type(err).__name__}: {err}); delete the archive and "
                               "download it again, or extract it with another tool and pass the folder with --local") from err
@@ -75,6 +89,7 @@ class ZipContainer(Container):
 
 class TarContainer(Container):
     def __init__(self, path: Path):
+        self.path = path
         try:
             self.tar = tarfile.open(path)
             self.infos = {i.name: i for i in self.tar.getmembers() if i.isfile()}
@@ -85,7 +100,9 @@ class TarContainer(Container):
         return sorted(self.infos)
 
     def read(self, member: str) -> bytes:
-        return self.tar.extractfile(self.infos[member]).read()
+        info = self.infos[member]
+        check_size(self.path, member, info.size)
+        return self.tar.extractfile(info).read()
 
     def read_many(self, members):
         # a compressed tar only seeks forward cheaply, so read in archive order

@@ -1529,6 +1529,19 @@ def test_a_damaged_zip_member_is_named(tmp_path, damage):
         container.read("x/1.tif")
 
 
+
+@pytest.mark.parametrize("make", [make_zip, make_tgz])
+def test_a_member_too_large_for_an_image_is_refused_before_it_is_read(tmp_path, monkeypatch, make):
+    "A zip or tar member whose declared size is over MAX_MEMBER_BYTES (a zip bomb) is named in one line, not read into memory."
+    monkeypatch.setattr(archives, "MAX_MEMBER_BYTES", 1000)
+    path = make(tmp_path / ("a.zip" if make is make_zip else "a.tgz"), {"x/0.tif": bytes(1000), "x/1.tif": bytes(1001)})
+    container = archives.open_container(path)
+    assert len(container.read("x/0.tif")) == 1000
+    archive, reader = (container.zip, "open") if make is make_zip else (container.tar, "extractfile")
+    monkeypatch.setattr(archive, reader, lambda *args: pytest.fail("the member is read"))
+    with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/1.tif: 1001 bytes once decompressed, over")):
+        container.read("x/1.tif")
+
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")

@@ -92,7 +92,12 @@ class TarContainer(Container):
         self.path = path
         try:
             self.tar = tarfile.open(path)
-            self.infos = {i.name: i for i in self.tar.getmembers() if i.isfile()}
+            self.infos = {}
+            for i in self.tar.getmembers():
+                if i.isfile():
+                    self.infos[i.name] = i
+                elif i.islnk() and i.linkname in self.infos:  # a hard link (a second name) of a file: read as that file
+                    self.infos[i.name] = self.infos[i.linkname]
         except (tarfile.TarError, EOFError, OSError) as err:
             raise LayoutError(f"{path} is not a readable tar archive (truncated download?): {err}") from err
 

@@ -1542,6 +1542,21 @@ def test_a_member_too_large_for_an_image_is_refused_before_it_is_read(tmp_path, 
     with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/1.tif: 1001 bytes once decompressed, over")):
         container.read("x/1.tif")
 
+
+def test_a_tar_holds_the_same_files_as_its_folder_hard_links_included(tmp_path):
+    "A file that is a second name (hard link) of another is stored in a tar as a link member: it is read as the file it names."
+    folder = make_dir(tmp_path / "d", {"train/1.png": image_bytes("PNG", 1), "train/2.png": image_bytes("PNG", 2)})
+    (folder / "val").mkdir()
+    os.link(folder / "train/1.png", folder / "val/1.png")
+    with tarfile.open(tmp_path / "d.tgz", "w:gz") as tar:
+        tar.add(folder, arcname="d")
+    with tarfile.open(tmp_path / "d.tgz") as tar:
+        assert tar.getmember("d/val/1.png").islnk(), "tarfile stores a second name as a link"
+    files = {m: data for m, data in archives.DirContainer(tmp_path).read_many(["d/train/1.png", "d/train/2.png", "d/val/1.png"])}
+    container = archives.open_container(tmp_path / "d.tgz")
+    assert container.members() == sorted(files)
+    assert dict(container.read_many(files)) == files
+
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.tex").write_text("precious")

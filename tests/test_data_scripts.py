@@ -450,6 +450,9 @@ def test_prompts_are_read_from_the_notebook_never_run(tmp_path):
     ("in_class = {'N/': ['x']}\n", r"no prompts for the classes \['diabetic_retinopathy'\]"),
     ("in_class = {'N/': ['x'], 'D/': ['']}\n", "must be a non-empty list of non-empty strings"),
     ("in_class = ['x',\n", "the first code cell is not Python"),
+    ("in_class = {['N/']: ['x']}\n", r"nb\.ipynb: in_class is not a literal \(\{\['N/'\]: \['x'\]\}\)"),  # TypeError: unhashable
+    ("in_class = " + "-" * 100_000 + "1\n", r"nb\.ipynb: the first code cell is not Python .*MemoryError"),
+    ("in_class = " + "-" * 5_000 + "1\n", r"nb\.ipynb: the first code cell is not Python .*RecursionError"),
 ])
 def test_a_bad_prompt_notebook_is_refused(tmp_path, cell, message):
     with pytest.raises(ValueError, match=message):

@@ -246,6 +246,18 @@ def test_manifest_rejects_a_malformed_checksum(tmp_path):
         fetching.load_manifest(tmp_path / "m.json")
 
 
+
+@pytest.mark.parametrize("field,value", [("size_bytes", "10240"), ("size_bytes", -1), ("size_bytes", True), ("size_bytes", 1.5),
+                                         ("filename", "../outside/escaped.zip"), ("filename", "sub/a.zip"), ("filename", "sub\\a.zip"),
+                                         ("filename", ".."), ("filename", ""), ("filename", None), ("sha256", 7)])
+def test_manifest_rejects_a_malformed_size_or_file_name(tmp_path, field, value):
+    "A size that is not a whole number of bytes would fail every download; a file name with a folder would be written outside --raw."
+    manifest = json.loads(fetching.MANIFEST.read_text())
+    manifest["sources"]["fives"][field] = value
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(f"manifest {tmp_path / 'm.json'}: source 'fives' has a malformed {field} {value!r}")):
+        fetching.load_manifest(tmp_path / "m.json")
+
 def test_the_paper_counts():
     n = {b.name: {(d.shift, d.labels): d.n for d in b.draws if d.shift != "fit"} for b in BENCHMARKS}
     assert n["ophthalmology"][("id", ("normal",))] == n["ophthalmology"][("id", ("diabetic_retinopathy",))] == 150

@@ -26,6 +26,18 @@ class LayoutError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- archives
 
+MAX_MEMBER_BYTES = 512 << 20  # a zip or tar member is read whole into memory: a larger one is no image or table of a source (a zip bomb)
+
+
+def check_size(path: Path, # the archive
+               member: str, # the member's name in it
+               size: int, # the member's size once decompressed, as the archive declares it
+               ) -> None:
+    """Raise ``LayoutError`` naming the member if ``size`` is over ``MAX_MEMBER_BYTES``, before it is read."""
+    if size > MAX_MEMBER_BYTES:
+        raise LayoutError(f"{path}:{member}: {size} bytes once decompressed, over the {MAX_MEMBER_BYTES} bytes any file "
+                          "of a source may have; is the archive damaged or not the dataset's?")
+
 class Container:
     """Read-only access to the files of a zip, a tar or a folder, by '/'-separated member name."""
 
@@ -66,8 +78,10 @@ class ZipContainer(Container):
     def read(self, member: str) -> bytes:
         # only the central directory is checked on opening: a member's damaged bytes (bad CRC, zlib.error) or a
         # compression zipfile lacks (NotImplementedError for Deflate64, RuntimeError when encrypted) show when it is read
+        info = self.zip.getinfo(member)
+        check_size(self.path, member, info.file_size)  # zipfile reads no more than the declared size
         try:
-            return self.zip.read(member)
+            return self.zip.read(info)
         except (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError) as err:
             raise LayoutError(f"{self.path}:{member}: cannot be read ({type(err).__name__}: {err}); delete the archive and "
                               "download it again, or extract it with another tool and pass the folder with --local") from err
@@ -75,9 +89,15 @@ class ZipContainer(Container):
 
 class TarContainer(Container):
     def __init__(self, path: Path):
+        self.path = path
         try:
             self.tar = tarfile.open(path)
-            self.infos = {i.name: i for i in self.tar.getmembers() if i.isfile()}
+            self.infos = {}
+            for i in self.tar.getmembers():
+                if i.isfile():
+                    self.infos[i.name] = i
+                elif i.islnk() and i.linkname in self.infos:  # a hard link (a second name) of a file: read as that file
+                    self.infos[i.name] = self.infos[i.linkname]
         except (tarfile.TarError, EOFError, OSError) as err:
             raise LayoutError(f"{path} is not a readable tar archive (truncated download?): {err}") from err
 
@@ -85,7 +105,9 @@ class TarContainer(Container):
         return sorted(self.infos)
 
     def read(self, member: str) -> bytes:
-        return self.tar.extractfile(self.infos[member]).read()
+        info = self.infos[member]
+        check_size(self.path, member, info.size)
+        return self.tar.extractfile(info).read()
 
     def read_many(self, members):
         # a compressed tar only seeks forward cheaply, so read in archive order
@@ -102,14 +124,31 @@ RAR_TOOLS = (  # tried in this order; 7z builds without the non-free RAR codec f
 )
 
 
+def stamp(path: Path) -> str:
+    """The size and modification time of ``path``: what is derived from it is redone once this changes (a new version)."""
+    info = path.stat()
+    return f"{info.st_size} {info.st_mtime_ns}\n"
+
+
+def made_from(marker: Path, # where the stamp of the source was recorded once the derived file was complete
+              source: Path, # the file it was derived from
+              ) -> bool:
+    """Whether ``marker`` records the current version of ``source``."""
+    try:
+        return marker.read_text() == stamp(source)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def extract_rar(path: Path) -> Path:
     """Extract a RAR archive once into ``<archive>.d`` with the first external tool that manages it.
 
     One run at a time extracts (another sharing the folder stops at once), into a temporary folder of its own
-    renamed to ``<archive>.d`` once complete; what a killed run left is cleared first.
+    renamed to ``<archive>.d`` once complete; what a killed run left is cleared first. ``.complete`` in it
+    records the archive's size and time: an archive replaced since is extracted again.
     """
     dest = path.with_name(path.name + ".d")
-    if (dest / ".complete").exists():
+    if made_from(dest / ".complete", path):
         return dest
     tools = [(name, cmd) for name, cmd in RAR_TOOLS if shutil.which(name)]
     if not tools:
@@ -123,9 +162,10 @@ def extract_rar(path: Path) -> Path:
             held.enter_context(hold_lock(path.with_name(f".{dest.name}.lock"), remove=True))
         except BlockingIOError:
             raise BlockingIOError(f"another run is extracting {path}; wait for it to end") from None
-        if (dest / ".complete").exists():  # extracted by a run that ended since
+        if made_from(dest / ".complete", path):  # extracted by a run that ended since
             return dest
-        for stale in (dest, *path.parent.glob(f".{glob.escape(dest.name)}.*.tmp")):  # an earlier version's, a killed run's
+        version = stamp(path)
+        for stale in (dest, *path.parent.glob(f".{glob.escape(dest.name)}.*.tmp")):  # an earlier archive's, a killed run's
             shutil.rmtree(stale, ignore_errors=True)
         for name, cmd in tools:
             tmp = path.with_name(f".{dest.name}.{secrets.token_hex(6)}.tmp")
@@ -133,7 +173,7 @@ def extract_rar(path: Path) -> Path:
             try:
                 result = subprocess.run(cmd(path, tmp), capture_output=True, text=True)
                 if result.returncode == 0:
-                    (tmp / ".complete").touch()
+                    (tmp / ".complete").write_text(version)
                     tmp.rename(dest)
                     return dest
             finally:
@@ -216,18 +256,22 @@ def gunzip_once(path: Path) -> Path:
     """Decompress ``x.gz`` next to itself once and return the decompressed path; other paths pass through.
 
     Each run decompresses into a temporary file of its own, renamed to ``x`` once complete, so ``x`` is
-    always whole, even while another run sharing the folder decompresses the same file.
+    always whole, even while another run sharing the folder decompresses the same file. ``x.source`` then
+    records the size and time of ``x.gz``: a ``x.gz`` replaced since is decompressed again.
     """
     path = Path(path)
     if path.suffix != ".gz":
         return path
     out = path.with_suffix("")
-    if not out.exists():
+    marker = out.with_name(out.name + ".source")
+    if not (out.exists() and made_from(marker, path)):
+        version = stamp(path)  # taken first: a .gz replaced while it is read is decompressed again next time
         try:
             with gzip.open(path, "rb") as src:  # nothing half-decompressed stays behind
                 replace_atomically(out, lambda dst: shutil.copyfileobj(src, dst, 1 << 20))
         except (EOFError, gzip.BadGzipFile, zlib.error) as err:
             raise LayoutError(f"{path} is not a complete gzip file ({err}); delete it and download it again") from err
+        replace_atomically(marker, lambda dst: dst.write(version.encode()))
     return out
 
 
@@ -249,7 +293,7 @@ def check_image(data: bytes, what: str) -> None:
             image.verify()  # checksums such as PNG's CRCs, without decoding
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # decodes: a JPEG or TIFF cut short passes verify()
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
         head = data[:40]
         raise LayoutError(f"{what} is not a readable image ({err}); it starts with {head!r}") from err
 

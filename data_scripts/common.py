@@ -148,7 +148,7 @@ def resized(data: bytes, # an image file's bytes
         out = io.BytesIO()
         small.save(out, format=fmt,
                    **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
-    except (OSError, ValueError, KeyError) as err:  # KeyError: a format PIL reads but cannot write
+    except (OSError, ValueError, KeyError, Image.DecompressionBombError) as err:  # KeyError: a format PIL reads but cannot write
         raise LayoutError(f"{what} could not be resized ({type(err).__name__}: {err}); "
                           "without --resize it is copied byte for byte") from err
     return out.getvalue()

@@ -64,8 +64,13 @@ def load_manifest(path: Path | str | None = None, # a manifest.json; None: the o
             raise ValueError(f"manifest {path}: source {key!r} needs a 'kaggle' slug")
         for alg, length in (("sha256", 64), ("md5", 32)):
             value = entry[alg]
-            if value is not None and not re.fullmatch(rf"[0-9a-f]{{{length}}}", value):
+            if value is not None and not (isinstance(value, str) and re.fullmatch(rf"[0-9a-f]{{{length}}}", value)):
                 raise ValueError(f"manifest {path}: source {key!r} has a malformed {alg} {value!r}")
+        size, name = entry["size_bytes"], entry["filename"]
+        if size is not None and not (type(size) is int and size >= 0):  # not bool, an int to JSON's parser but no size
+            raise ValueError(f"manifest {path}: source {key!r} has a malformed size_bytes {size!r} (a whole number of bytes or null)")
+        if not (isinstance(name, str) and Path(name).name == name and name not in ("", "..") and "\\" not in name):
+            raise ValueError(f"manifest {path}: source {key!r} has a malformed filename {name!r} (a file name in --raw, without folders)")
     return manifest
 
 

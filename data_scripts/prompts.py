@@ -24,15 +24,15 @@ def notebook_literals(path: Path, # a Jupyter notebook
         raise ValueError(f"{path} is not a notebook with a code cell ({type(err).__name__}: {err})") from None
     try:
         tree = ast.parse(source)
-    except SyntaxError as err:
-        raise ValueError(f"{path}: the first code cell is not Python ({err})") from None
+    except (SyntaxError, MemoryError, RecursionError) as err:  # the last two: nested too deep for the parser
+        raise ValueError(f"{path}: the first code cell is not Python that can be read ({type(err).__name__}: {err})") from None
     found = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
                 and node.targets[0].id in names:
             try:
                 found[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
+            except (ValueError, TypeError, MemoryError, RecursionError):  # TypeError: an unhashable dict key or set member
                 raise ValueError(f"{path}: {node.targets[0].id} is not a literal ({ast.unparse(node.value)[:80]}); "
                                  "it is read, never run") from None
     return found

@@ -88,11 +88,11 @@ def load_detector(path, # a file written by `save_detector`
 @contextlib.contextmanager
 def hold_lock(path, # the lock file, created when missing
               remove:bool=False): # remove the file when the block ends
-    "Hold an exclusive lock on `path` while the block runs; `BlockingIOError` at once if another holds it (POSIX; elsewhere no lock)."
+    "Hold an exclusive lock on `path` while the block runs; `BlockingIOError` at once if another holds it (POSIX; elsewhere no lock, but `remove` still removes the file)."
     try: import fcntl
-    except ImportError: yield; return  # Windows
+    except ImportError: fcntl = None  # Windows
     path = Path(path)
-    while True:
+    while fcntl:
         f = open(path, "a")
         try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or its process dies
         except BlockingIOError:
@@ -105,7 +105,7 @@ def hold_lock(path, # the lock file, created when missing
     try: yield path
     finally:
         if remove: path.unlink(missing_ok=True)
-        f.close()
+        if fcntl: f.close()
 
 # %% ../nbs/50_deploy.ipynb
 def same_file(a, # a path, existing or not

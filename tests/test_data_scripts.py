@@ -247,6 +247,18 @@ def test_manifest_rejects_a_malformed_checksum(tmp_path):
         fetching.load_manifest(tmp_path / "m.json")
 
 
+
+@pytest.mark.parametrize("field,value", [("size_bytes", "10240"), ("size_bytes", -1), ("size_bytes", True), ("size_bytes", 1.5),
+                                         ("filename", "../outside/escaped.zip"), ("filename", "sub/a.zip"), ("filename", "sub\\a.zip"),
+                                         ("filename", ".."), ("filename", ""), ("filename", None), ("sha256", 7)])
+def test_manifest_rejects_a_malformed_size_or_file_name(tmp_path, field, value):
+    "A size that is not a whole number of bytes would fail every download; a file name with a folder would be written outside --raw."
+    manifest = json.loads(fetching.MANIFEST.read_text())
+    manifest["sources"]["fives"][field] = value
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(f"manifest {tmp_path / 'm.json'}: source 'fives' has a malformed {field} {value!r}")):
+        fetching.load_manifest(tmp_path / "m.json")
+
 def test_the_paper_counts():
     n = {b.name: {(d.shift, d.labels): d.n for d in b.draws if d.shift != "fit"} for b in BENCHMARKS}
     assert n["ophthalmology"][("id", ("normal",))] == n["ophthalmology"][("id", ("diabetic_retinopathy",))] == 150
@@ -451,6 +463,9 @@ def test_prompts_are_read_from_the_notebook_never_run(tmp_path):
     ("in_class = {'N/': ['x']}\n", r"no prompts for the classes \['diabetic_retinopathy'\]"),
     ("in_class = {'N/': ['x'], 'D/': ['']}\n", "must be a non-empty list of non-empty strings"),
     ("in_class = ['x',\n", "the first code cell is not Python"),
+    ("in_class = {['N/']: ['x']}\n", r"nb\.ipynb: in_class is not a literal \(\{\['N/'\]: \['x'\]\}\)"),  # TypeError: unhashable
+    ("in_class = " + "-" * 100_000 + "1\n", r"nb\.ipynb: the first code cell is not Python .*MemoryError"),
+    ("in_class = " + "-" * 5_000 + "1\n", r"nb\.ipynb: the first code cell is not Python .*RecursionError"),
 ])
 def test_a_bad_prompt_notebook_is_refused(tmp_path, cell, message):
     with pytest.raises(ValueError, match=message):
@@ -1141,8 +1156,17 @@ def test_two_runs_decompressing_one_file_each_get_it_whole(tmp_path, monkeypatch
     a.join(); b.join()
     assert got["a"] == data, f"the first run's .h5 is not the file: {got['a'] if isinstance(got['a'], Exception) else 'wrong bytes'}"
     assert got["b"] == data and (tmp_path / "x.h5").read_bytes() == data
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.h5", "x.h5.gz"], "no temporary file is left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.h5", "x.h5.gz", "x.h5.source"], "no temporary file is left"
 
+
+
+def test_a_replaced_gz_is_decompressed_again(tmp_path):
+    "A .gz replaced by another version (a new download or --local copy) is decompressed afresh, not the old copy reused."
+    gz = tmp_path / "x.h5.gz"
+    gz.write_bytes(gzip.compress(b"version A" * 1000))
+    assert archives.gunzip_once(gz).read_bytes() == b"version A" * 1000
+    gz.write_bytes(gzip.compress(b"version B, longer" * 1000))
+    assert archives.gunzip_once(gz).read_bytes() == b"version B, longer" * 1000
 
 SLOW_RAR_TOOL = """
 import os, sys, tarfile, time
@@ -1223,6 +1247,16 @@ def test_what_a_killed_extraction_left_is_cleared(slow_rar):
     assert extracted(s.rar) == s.files
     assert sorted(p.name for p in s.rar.parent.iterdir()) == ["FIVES.rar", "FIVES.rar.d"]
 
+
+
+def test_a_replaced_rar_is_extracted_again(slow_rar):
+    "FIVES.rar replaced by another version (a new download) is extracted afresh: the old FIVES.rar.d is not read."
+    s = slow_rar
+    (s.control / "a_go").touch(), (s.control / "b_go").touch()
+    assert extracted(s.rar) == s.files
+    make_tgz(s.rar, {"F/train/Original/0_N.png": b"version B", "F/train/Original/99_N.png": b"new in B"})
+    assert extracted(s.rar) == ["F/train/Original/0_N.png", "F/train/Original/99_N.png"]
+    assert (s.rar.parent / "FIVES.rar.d" / "F/train/Original/0_N.png").read_bytes() == b"version B"
 
 @pytest.mark.parametrize("raw,message", [("out", "--raw {out} is also --out"),
                                          ("out/raw", "--raw {out}/raw is inside --out {out}"),
@@ -1473,6 +1507,14 @@ def test_an_image_that_cannot_be_resized_is_named(tmp_path):
         common.prepare(bench, {"v": view}, tmp_path / "out", tmp_path / "s.csv", progressbar=False, resize=4)
 
 
+
+@pytest.mark.parametrize("check", [lambda data: archives.check_image(data, "v:big"), lambda data: common.resized(data, 4, "v:big")])
+def test_an_image_over_pils_size_limit_is_named(monkeypatch, check):
+    "An image over PIL's decompression-bomb limit is an unreadable image naming its file, not an unexpected DecompressionBombError."
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 7)  # the image has 16 pixels: over twice this, PIL refuses to open it
+    with pytest.raises(archives.LayoutError, match=r"^v:big .*exceeds limit"):
+        check(image_bytes("PNG"))
+
 def damaged_zip(path, damage):
     """A zip holding ``x/0.tif`` and ``x/1.tif``, whose ``x/1.tif`` cannot be read back: its bytes flipped, or
     compressed with a method Python lacks (Deflate64, as Windows zips large files)."""
@@ -1502,6 +1544,34 @@ def test_a_damaged_zip_member_is_named(tmp_path, damage):
     with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/1.tif: cannot be read")):
         container.read("x/1.tif")
 
+
+
+@pytest.mark.parametrize("make", [make_zip, make_tgz])
+def test_a_member_too_large_for_an_image_is_refused_before_it_is_read(tmp_path, monkeypatch, make):
+    "A zip or tar member whose declared size is over MAX_MEMBER_BYTES (a zip bomb) is named in one line, not read into memory."
+    monkeypatch.setattr(archives, "MAX_MEMBER_BYTES", 1000)
+    path = make(tmp_path / ("a.zip" if make is make_zip else "a.tgz"), {"x/0.tif": bytes(1000), "x/1.tif": bytes(1001)})
+    container = archives.open_container(path)
+    assert len(container.read("x/0.tif")) == 1000
+    archive, reader = (container.zip, "open") if make is make_zip else (container.tar, "extractfile")
+    monkeypatch.setattr(archive, reader, lambda *args: pytest.fail("the member is read"))
+    with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/1.tif: 1001 bytes once decompressed, over")):
+        container.read("x/1.tif")
+
+
+def test_a_tar_holds_the_same_files_as_its_folder_hard_links_included(tmp_path):
+    "A file that is a second name (hard link) of another is stored in a tar as a link member: it is read as the file it names."
+    folder = make_dir(tmp_path / "d", {"train/1.png": image_bytes("PNG", 1), "train/2.png": image_bytes("PNG", 2)})
+    (folder / "val").mkdir()
+    os.link(folder / "train/1.png", folder / "val/1.png")
+    with tarfile.open(tmp_path / "d.tgz", "w:gz") as tar:
+        tar.add(folder, arcname="d")
+    with tarfile.open(tmp_path / "d.tgz") as tar:
+        assert tar.getmember("d/val/1.png").islnk(), "tarfile stores a second name as a link"
+    files = {m: data for m, data in archives.DirContainer(tmp_path).read_many(["d/train/1.png", "d/train/2.png", "d/val/1.png"])}
+    container = archives.open_container(tmp_path / "d.tgz")
+    assert container.members() == sorted(files)
+    assert dict(container.read_many(files)) == files
 
 def test_a_foreign_output_folder_is_not_touched(tmp_path):
     (tmp_path / "out").mkdir()

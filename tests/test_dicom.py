@@ -1,6 +1,8 @@
 """`read_image` on DICOM files written by pydicom: modality rescale, window, MONOCHROME1, bit depths, and clear errors."""
+import re
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,6 +93,15 @@ def test_8_bit_grey_without_a_window_is_read_as_stored(tmp_path):
     np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g1.dcm", grey, "MONOCHROME1")), 255 - grey)
     stretched = read_image(write_dicom(tmp_path / "r.dcm", grey, RescaleSlope=2, RescaleIntercept=-10))  # rescaled: no display range is known
     assert (stretched.min(), stretched.max()) == (0, 255)
+
+
+def test_ycbcr_colour_is_read_as_rgb(tmp_path):
+    "pydicom 2 gave YBR_FULL pixels as stored, which were read as RGB: red came out blue. The data extra needs pydicom 3, which converts them."
+    path = write_dicom(tmp_path / "ybr.dcm", np.tile(np.uint8([76, 85, 255]), (8, 8, 1)), "RGB")  # pure red in full-range YCbCr
+    ds = pydicom.dcmread(path); ds.PhotometricInterpretation = "YBR_FULL"; ds.save_as(path)
+    assert np.abs(read_image(path)[0, 0].astype(int) - [255, 0, 0]).max() <= 2
+    pins = re.findall(r"pydicom\S*", (Path(__file__).parents[1] / "settings.ini").read_text())
+    assert pins and all(p == "pydicom>=3" for p in pins), f"every extra that installs pydicom needs 3 or later, which the reading relies on: {pins}"
 
 
 def write_palette_dicom(path, indices, lut, bits=16):

@@ -91,8 +91,7 @@ def _number(ds, # a pydicom `Dataset`
 def _palette_to_rgb(pixels:np.ndarray, # (H, W) PALETTE COLOR indices
                     ds): # their pydicom `Dataset`, which holds the colour lookup table
     "(H, W, 3) uint8: the colours the table gives `pixels`, scaled to 8 bits as other colour images are."
-    try: from pydicom.pixels import apply_color_lut
-    except ImportError: from pydicom.pixel_data_handlers.util import apply_color_lut  # pydicom < 3
+    from pydicom.pixels import apply_color_lut
     try: rgb = apply_color_lut(pixels, ds)[..., :3]  # an alpha table, where there is one, is not part of the image
     except Exception as e: raise ValueError(f"cannot apply the PALETTE COLOR lookup table ({type(e).__name__}: {_one_line(e)})") from None
     return rgb if rgb.dtype == np.uint8 else to_8_bits(rgb)

@@ -104,6 +104,23 @@ def test_ycbcr_colour_is_read_as_rgb(tmp_path):
     assert pins and all(p == "pydicom>=3" for p in pins), f"every extra that installs pydicom needs 3 or later, which the reading relies on: {pins}"
 
 
+@pytest.mark.parametrize("bits", [1, 4, 6])
+def test_fewer_than_8_bits_stored_span_every_grey_level(tmp_path, bits):
+    "pydicom gives uint8 for any BitsStored up to 8; they were taken as 8-bit grey levels, a 1-bit mask's white as 1/255, while the same values in 16 bits are stretched."
+    top = 2 ** bits - 1
+    pixels = (np.arange(32 * 32) % (top + 1)).reshape(32, 32).astype(np.uint8)
+    path, wide = write_dicom(tmp_path / "low.dcm", pixels), write_dicom(tmp_path / "wide.dcm", pixels.astype(np.uint16))
+    for p in (path, wide):
+        ds = pydicom.dcmread(p); ds.BitsStored, ds.HighBit = bits, bits - 1
+        if bits == 1 and p == path: ds.BitsAllocated, ds.PixelData = 1, np.packbits(pixels.ravel(), bitorder="little").tobytes()  # a mask
+        ds.save_as(p)
+    a = read_image(path)
+    np.testing.assert_array_equal(a, np.round(pixels * (255 / top)).astype(np.uint8))
+    np.testing.assert_array_equal(a, read_image(wide))
+    if bits > 1:  # MONOCHROME1: inverted after the scaling
+        np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "m1.dcm", pixels, "MONOCHROME1", BitsStored=bits, HighBit=bits - 1)), 255 - a)
+
+
 def write_palette_dicom(path, indices, lut, bits=16):
     "Write the (H, W) uint8 palette `indices` with the colour lookup table `lut` ((K, 3) entries of `bits` bits) as a PALETTE COLOR file."
     ds = pydicom.dcmread(write_dicom(path, indices, "PALETTE COLOR"))

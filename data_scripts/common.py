@@ -127,7 +127,7 @@ def resized(data: bytes, # an image file's bytes
             short_side: int, # pixels on the short side of the stored image
             what: str, # names the image in errors, e.g. view:key
             ) -> bytes:
-    """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format; a smaller image unchanged."""
+    """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format (16- or 32-bit grey in 8 bits, as the model reads it); a smaller image unchanged."""
     import io
 
     from PIL import Image
@@ -139,6 +139,11 @@ def resized(data: bytes, # an image file's bytes
                 return data
             if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
                 image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
+            if image.mode.startswith("I"):  # 16- or 32-bit grey reaches the model scaled by the bit depth of its maximum, which a
+                # resize can change (a small bright spot smoothed away): in 8 bits first, as the model reads the original
+                from proton.models.vlm import as_rgb_image
+
+                image = as_rgb_image(image).convert("L")
             size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
             if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
                 # and the model reads the colours without the alpha (convert("RGB"))

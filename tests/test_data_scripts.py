@@ -1685,7 +1685,7 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     image.save(buffer, format="PNG")
     out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60, "x")))
     assert out.format == "PNG" and min(out.size) == 60 and out.size[0] / out.size[1] == pytest.approx(size[0] / size[1], rel=0.02)
-    assert out.mode == {"P": "RGB"}.get(mode, mode)
+    assert out.mode == {"P": "RGB", "I;16": "L"}.get(mode, mode)  # 16 bits: in 8, as the model reads them
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
@@ -1732,6 +1732,22 @@ def test_a_resized_png_is_stored_uncompressed_for_fast_decoding():
     Image.fromarray(np.stack([smooth] * 3, -1)).save(buffer, format="PNG")  # PIL's default level: compresses well
     small = common.resized(buffer.getvalue(), 120, "x")
     assert len(small) >= 120 * 160 * 3 > len(buffer.getvalue()) / 4
+
+
+@pytest.mark.parametrize("fmt,dtype", [("PNG", np.uint16), ("TIFF", np.uint16), ("TIFF", np.int32)])
+def test_a_resized_wide_grey_image_looks_to_the_model_as_the_original_does(fmt, dtype):
+    "A 16- or 32-bit image reaches the model scaled by the bit depth of its own maximum: a resize that smoothed away a small bright spot made it 4x brighter."
+    from proton.models.vlm import as_rgb_image
+    array = np.full((400, 400), 500, dtype)
+    array[200:202, 200:202] = 1100  # a 12-bit detector's image with one small bright spot: 10 bits without it
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format=fmt)
+    original = Image.open(io.BytesIO(buffer.getvalue()))
+    assert original.mode.startswith("I")
+    out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 100, "x")))
+    expected = as_rgb_image(original).resize(out.size, Image.Resampling.BICUBIC)
+    assert out.format == fmt and out.size == (100, 100)
+    np.testing.assert_array_equal(np.asarray(as_rgb_image(out)), np.asarray(expected))
 
 
 def test_prepare_all_passes_resize_on(tmp_path, capsys):

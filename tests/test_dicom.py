@@ -1,6 +1,8 @@
 """`read_image` on DICOM files written by pydicom: modality rescale, window, MONOCHROME1, bit depths, and clear errors."""
+import re
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,6 +93,32 @@ def test_8_bit_grey_without_a_window_is_read_as_stored(tmp_path):
     np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "g1.dcm", grey, "MONOCHROME1")), 255 - grey)
     stretched = read_image(write_dicom(tmp_path / "r.dcm", grey, RescaleSlope=2, RescaleIntercept=-10))  # rescaled: no display range is known
     assert (stretched.min(), stretched.max()) == (0, 255)
+
+
+def test_ycbcr_colour_is_read_as_rgb(tmp_path):
+    "pydicom 2 gave YBR_FULL pixels as stored, which were read as RGB: red came out blue. The data extra needs pydicom 3, which converts them."
+    path = write_dicom(tmp_path / "ybr.dcm", np.tile(np.uint8([76, 85, 255]), (8, 8, 1)), "RGB")  # pure red in full-range YCbCr
+    ds = pydicom.dcmread(path); ds.PhotometricInterpretation = "YBR_FULL"; ds.save_as(path)
+    assert np.abs(read_image(path)[0, 0].astype(int) - [255, 0, 0]).max() <= 2
+    pins = re.findall(r"pydicom\S*", (Path(__file__).parents[1] / "settings.ini").read_text())
+    assert pins and all(p == "pydicom>=3" for p in pins), f"every extra that installs pydicom needs 3 or later, which the reading relies on: {pins}"
+
+
+@pytest.mark.parametrize("bits", [1, 4, 6])
+def test_fewer_than_8_bits_stored_span_every_grey_level(tmp_path, bits):
+    "pydicom gives uint8 for any BitsStored up to 8; they were taken as 8-bit grey levels, a 1-bit mask's white as 1/255, while the same values in 16 bits are stretched."
+    top = 2 ** bits - 1
+    pixels = (np.arange(32 * 32) % (top + 1)).reshape(32, 32).astype(np.uint8)
+    path, wide = write_dicom(tmp_path / "low.dcm", pixels), write_dicom(tmp_path / "wide.dcm", pixels.astype(np.uint16))
+    for p in (path, wide):
+        ds = pydicom.dcmread(p); ds.BitsStored, ds.HighBit = bits, bits - 1
+        if bits == 1 and p == path: ds.BitsAllocated, ds.PixelData = 1, np.packbits(pixels.ravel(), bitorder="little").tobytes()  # a mask
+        ds.save_as(p)
+    a = read_image(path)
+    np.testing.assert_array_equal(a, np.round(pixels * (255 / top)).astype(np.uint8))
+    np.testing.assert_array_equal(a, read_image(wide))
+    if bits > 1:  # MONOCHROME1: inverted after the scaling
+        np.testing.assert_array_equal(read_image(write_dicom(tmp_path / "m1.dcm", pixels, "MONOCHROME1", BitsStored=bits, HighBit=bits - 1)), 255 - a)
 
 
 def write_palette_dicom(path, indices, lut, bits=16):

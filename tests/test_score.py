@@ -400,6 +400,18 @@ def test_a_file_list_saved_with_a_byte_order_mark_and_crlf_lines_is_read(tmp_pat
     with pytest.raises(ValueError, match=r"names 1 file that does not exist, e\.g\. .*9\.png"): list_images(tmp_path / "gone.txt")
 
 
+def test_one_image_as_the_source_is_named_as_an_image_not_read_as_a_file_list(tmp_path):
+    "`proton-ood score IMAGE` read the image as a file list: a PNG was 'not UTF-8', a small TIFF printed its header's NUL and control bytes as file names."
+    from PIL import Image
+    from proton.models.score import list_images
+    for name in ("photo.png", "tiny.tif"):
+        Image.new("L", (4, 4)).save(tmp_path / name)
+        with pytest.raises(ValueError) as e: list_images(tmp_path / name)
+        assert str(e.value) == f"{tmp_path / name} is an image file, not a folder of images, a file list or a cache: score its folder, or a file list that names it"
+    (tmp_path / "odd.txt").write_text("in/\x00a\x1bb.png\n")
+    with pytest.raises(ValueError, match=r"e\.g\. '.*in/\\x00a\\x1bb\.png'$"): list_images(tmp_path / "odd.txt")  # escaped, as the terminal can show it
+
+
 def test_hidden_files_and_folders_are_not_images_to_score(tmp_path):
     from PIL import Image
     from proton.models.score import list_images

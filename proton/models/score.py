@@ -51,7 +51,7 @@ def read_file_list(path:str|os.PathLike): # a text file: one image path a line, 
     folder = next((p for p in paths if os.path.isdir(p)), None)
     if folder: raise ValueError(f"the file list {path} names a folder, not an image file: {folder}")
     missing = [p for p in paths if not os.path.isfile(p)]
-    if missing: raise ValueError(f"the file list {path} names {len(missing)} {'file that does' if len(missing) == 1 else 'files that do'} not exist, e.g. {missing[0]}")
+    if missing: raise ValueError(f"the file list {path} names {len(missing)} {'file that does' if len(missing) == 1 else 'files that do'} not exist, e.g. {missing[0]!r}")  # repr: a binary file's NUL and control bytes, escaped
     seen = {}  # real path -> the entry that named it
     for e, real in zip(entries, map(os.path.realpath, paths)):
         if real in seen: raise ValueError(f"the file list {path} names {e} twice" + ("" if seen[real] == e else f" (as {seen[real]} too, a link to it)"))
@@ -87,6 +87,7 @@ def list_images(source:str|os.PathLike, # a folder (searched recursively, hidden
         if not paths: raise ValueError(f"no images in {source} (looked for {', '.join(IMAGE_SUFFIXES)} and DICOM files, in every subfolder)")
         return _text_only(paths, source)
     if not source.exists(): raise ValueError(f"no image folder or file list at {source}")
+    if is_image_file(source): raise ValueError(f"{source} is an image file, not a folder of images, a file list or a cache: score its folder, or a file list that names it")
     paths = read_file_list(source)
     if not paths: raise ValueError(f"the file list {source} names no images")
     return _ordered(_text_only(paths, source), order or "list")

@@ -91,14 +91,13 @@ def _number(ds, # a pydicom `Dataset`
 def _palette_to_rgb(pixels:np.ndarray, # (H, W) PALETTE COLOR indices
                     ds): # their pydicom `Dataset`, which holds the colour lookup table
     "(H, W, 3) uint8: the colours the table gives `pixels`, scaled to 8 bits as other colour images are."
-    try: from pydicom.pixels import apply_color_lut
-    except ImportError: from pydicom.pixel_data_handlers.util import apply_color_lut  # pydicom < 3
+    from pydicom.pixels import apply_color_lut
     try: rgb = apply_color_lut(pixels, ds)[..., :3]  # an alpha table, where there is one, is not part of the image
     except Exception as e: raise ValueError(f"cannot apply the PALETTE COLOR lookup table ({type(e).__name__}: {_one_line(e)})") from None
     return rgb if rgb.dtype == np.uint8 else to_8_bits(rgb)
 
 def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
-    "The DICOM image as uint8: modality rescale, then the file's window (else 8 bits as stored, or min-max), MONOCHROME1 inverted; (H, W) grey, or (H, W, 3) colour (RGB, or PALETTE COLOR through its table)."
+    "The DICOM image as uint8: modality rescale, then the file's window (else grey levels of up to 8 bits, or min-max), MONOCHROME1 inverted; (H, W) grey, or (H, W, 3) colour (RGB, or PALETTE COLOR through its table)."
     try: pixels = ds.pixel_array
     except Exception as e: raise ValueError(f"cannot decode the DICOM pixel data ({type(e).__name__}: {_one_line(e)})") from None
     colour = int(getattr(ds, "SamplesPerPixel", 1)) == 3
@@ -110,7 +109,7 @@ def dicom_to_8_bits(ds): # a pydicom `Dataset` with pixel data
     c, w = _number(ds, "WindowCenter", several=True), _number(ds, "WindowWidth", several=True)
     if c is not None and w is not None and w >= 1:
         y = np.clip(((x - (c - .5)) / max(w - 1, 1e-12) + .5) * 255, 0, 255)
-    elif pixels.dtype == np.uint8 and (slope, intercept) == (1, 0): y = x  # 8 bits as stored are grey levels already, as in a PNG
+    elif pixels.dtype == np.uint8 and (slope, intercept) == (1, 0): y = x * (255 / (2 ** (_number(ds, "BitsStored") or 8) - 1))  # grey levels, as in a PNG: 8 bits as stored, fewer (a 1-bit mask) to 0..255
     else:
         low, high = x.min(), x.max()
         with np.errstate(over="ignore", invalid="ignore"): y = (x - low) * (255 / (high - low)) if high > low else np.zeros_like(x)

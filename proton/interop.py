@@ -80,7 +80,7 @@ class OpenOODPostprocessor(_openood_base()):
         parts = self.detector.score(_refuse_tuple(net(data), "net(data) returned"), return_parts=True)
         return parts.predicted, -parts.score
     def inference(self, net, data_loader, progress:bool=True):
-        "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays; each batch goes to the device of `net`'s weights."
+        "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays, predictions and labels as ints; each batch goes to the device of `net`'s weights."
         from tqdm.auto import tqdm
         device = next((p.device for p in net.parameters()), None) if isinstance(net, torch.nn.Module) else None
         preds, confs, labels = [], [], []
@@ -89,4 +89,5 @@ class OpenOODPostprocessor(_openood_base()):
             pred, conf = self.postprocess(net, data)
             preds.append(pred.cpu()); confs.append(conf.cpu()); labels.append(torch.as_tensor(batch["label"]).cpu())
         if not preds: return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)  # an empty loader
-        return tuple(torch.cat(x).numpy() for x in (preds, confs, labels))
+        preds, confs, labels = (torch.cat(x).numpy() for x in (preds, confs, labels))
+        return preds.astype(int), confs, labels.astype(int)  # integers whatever the loader's dtype, as OpenOOD's `BasePostprocessor` casts them

@@ -362,20 +362,27 @@ class OpenClipVLM(VLM):
 
     @property
     def has_local(self):
-        from open_clip.transformer import VisionTransformer
+        from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
         v = self.model.visual
-        return isinstance(v, VisionTransformer) and v.proj is not None and v.attn_pool is None and v.pool_type == "tok"
+        return (isinstance(v, VisionTransformer) and v.proj is not None and v.attn_pool is None and v.pool_type == "tok"
+                and type(v.transformer.resblocks[-1]) is ResidualAttentionBlock)  # the block whose value path `vit_patch_features` takes
 
     def _local_features(self, batch): return vit_patch_features(self.model.visual, batch)
 
 # %% ../../nbs/40_vlm.ipynb
 def vit_patch_features(visual, # an open_clip `VisionTransformer` with a projection
                        batch:Tensor): # (B, 3, H, W) preprocessed images
-    "(B, L, d) patch tokens after the final layer norm, projected into the joint space."
-    visual.output_tokens = True  # the ViT then returns (pooled, tokens), tokens after ln_post and before projection
-    try: _, tokens = visual(batch)
-    finally: visual.output_tokens = False
-    return tokens @ visual.proj
+    "(B, L, d) GL-MCM's local features: each patch token through the last block's value path, the final layer norm and the projection."
+    last, inputs = visual.transformer.resblocks[-1], []
+    hook = last.register_forward_pre_hook(lambda block, args: inputs.append(args[0]))  # the last block's input
+    try: visual(batch)
+    finally: hook.remove()
+    x = inputs[0] if getattr(visual.transformer, "batch_first", False) else inputs[0].transpose(0, 1)  # (B, 1 + L, width); older open_clip runs its blocks sequence-first
+    a, width = last.attn, x.shape[-1]
+    v = torch.nn.functional.linear(last.ln_1(x), a.in_proj_weight[2 * width:], None if a.in_proj_bias is None else a.in_proj_bias[2 * width:])
+    v = x + last.ls_1(a.out_proj(v))  # attention as if each token attended to itself alone
+    v = v + last.ls_2(last.mlp(last.ln_2(v)))
+    return visual.ln_post(v[:, 1:]) @ visual.proj
 
 # %% ../../nbs/40_vlm.ipynb
 def _random_init_quietly(build, seed:int):

@@ -67,7 +67,7 @@ def _watch_ctrl_c(seen:list): # gets an entry at each Ctrl-C
 
 def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     "The `proton-ood` command. An error ends in one line on stderr and exit status 1; `--debug` shows its traceback instead."
-    argv = sys.argv[1:] if argv is None else list(argv)
+    program, argv = argv is None, sys.argv[1:] if argv is None else list(argv)  # None: `main` runs as the program
     debug = argv[:1] == ["--debug"]
     argv = argv[debug:]
     command = argv[0] if argv and argv[0] in COMMANDS else None  # the rest, `-h` included, belongs to the command
@@ -102,4 +102,4 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
         return 130 if ctrl_c else 1
     finally:
         if not debug: warnings.showwarning = shown
-        if previous is not None: signal.signal(signal.SIGINT, previous)
+        if previous is not None: signal.signal(signal.SIGINT, signal.SIG_DFL if program else previous)  # the program: a Ctrl-C in the shutdown after it just ends it

@@ -185,10 +185,27 @@ def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path):
         p = subprocess.Popen([exe, "info", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(delay); p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=600)
-        assert (p.returncode, err) in ((130, "proton-ood info: interrupted\n"), (0, "")), (delay, p.returncode, err)
+        assert (p.returncode, err) in ((130, "proton-ood info: interrupted\n"), (0, ""), (-signal.SIGINT, "")), (delay, p.returncode, err)  # the last: once it was done
         interrupted += p.returncode == 130
         if interrupted >= 2: break
     assert interrupted >= 2
+
+
+def test_ctrl_c_once_the_command_is_done_ends_it_quietly(tmp_path):
+    "A Ctrl-C during Python's shutdown, after `main` returned, raised KeyboardInterrupt in an atexit callback: a traceback and status 0. As the program, the process now dies of the signal, silently; called as a function, `main` puts the caller's handler back."
+    import signal
+    import proton.cli as cli
+    path = tmp_path / "c.npz"
+    EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=30, n_per_shift=10).save(path)
+    code = ("import atexit, os, signal, sys\nfrom proton.cli import main\n"
+            "def ctrl_c(): os.kill(os.getpid(), signal.SIGINT); print('survived', file=sys.stderr)\n"
+            "atexit.register(ctrl_c)\nsys.exit(main())")  # registered first, so run last: at the end of the shutdown
+    r = subprocess.run([sys.executable, "-c", code, "info", str(path)], capture_output=True, text=True, timeout=600)
+    assert (r.returncode, r.stderr) == (-signal.SIGINT, ""), (r.returncode, r.stderr)
+    assert "sha256:" in r.stdout  # the work was done
+    before = signal.getsignal(signal.SIGINT)
+    assert cli.main(["info", str(path)]) == 0
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_path_that_is_not_utf8_is_printed_escaped_by_every_command(tmp_path):

@@ -85,6 +85,15 @@ def load_detector(path, # a file written by `save_detector`
     return Proton.from_state_dict(sd, base_score=base_score, device=device)
 
 # %% ../nbs/50_deploy.ipynb
+_held = set()  # the open lock files of this process's `hold_lock`s
+
+def _close_held():
+    "In a forked child (a DataLoader worker), close the lock files it inherited: a flock belongs to the open file, so its copy would hold the lock after its holder died; the holder's stays."
+    for f in _held: f.close()
+    _held.clear()
+
+if hasattr(os, "register_at_fork"): os.register_at_fork(after_in_child=_close_held)  # POSIX
+
 @contextlib.contextmanager
 def hold_lock(path, # the lock file, created when missing
               remove:bool=False): # remove the file when the block ends
@@ -102,10 +111,11 @@ def hold_lock(path, # the lock file, created when missing
         except FileNotFoundError: current = False
         if current: break
         f.close()  # its last holder removed it as we opened it: lock the file now at the path
+    if fcntl: _held.add(f)
     try: yield path
     finally:
         if remove: path.unlink(missing_ok=True)
-        if fcntl: f.close()
+        if fcntl: _held.discard(f); f.close()
 
 # %% ../nbs/50_deploy.ipynb
 def same_file(a, # a path, existing or not

@@ -721,6 +721,25 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(clip, da
     assert same_cache(extract(clip, data, out=out, **RUN), reference[1])  # the lock is free again
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the lock is POSIX's flock")
+def test_a_killed_runs_lock_is_free_at_once_while_the_children_it_forked_live(tmp_path):
+    "DataLoader workers forked under `hold_lock` shared its flock and kept it about 5 s after a SIGKILLed extract: a rerun was told 'another extract is writing'. A forked child now closes its copy, and the lock stays its holder's alone."
+    from proton.deploy import hold_lock
+    lock = tmp_path / "c.npz.lock"
+    code = ("import os, sys, time\nfrom proton.deploy import hold_lock\nwith hold_lock(sys.argv[1], remove=True):\n"
+            "    child = os.fork()\n    if child == 0: time.sleep(120); os._exit(0)\n    print(child, flush=True); time.sleep(120)\n")
+    holder, child = subprocess.Popen([sys.executable, "-c", code, str(lock)], stdout=subprocess.PIPE, text=True), None
+    try:
+        child = int(holder.stdout.readline())
+        with pytest.raises(BlockingIOError, match="another process holds"): hold_lock(lock).__enter__()  # the child's close left the holder's lock
+        holder.kill(); holder.wait()  # as the OOM killer kills a run: its children live on
+        os.kill(child, 0)
+        with hold_lock(lock): pass  # free at once
+    finally:
+        holder.kill(); holder.wait(); holder.stdout.close()
+        if child: os.kill(child, signal.SIGKILL)
+
+
 def test_a_prompts_folder_is_refused_naming_it(data, tmp_path, monkeypatch, capsys):
     "--prompts <folder> was taken for the prompts themselves, one prompt: 'got 1 prompts for 2 classes'."
     monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the prompts were checked"))

@@ -304,6 +304,15 @@ def test_sigkilled_process_resumes_to_the_identical_cache(data, reference, tmp_p
     assert same_cache(EmbeddingCache.load(out), reference[1])
 
 
+def test_the_temporary_cache_file_of_a_killed_run_is_removed_by_the_next(clip, data, reference, tmp_path, monkeypatch):
+    "A run killed while it wrote the cache left `.<name>.<hex>.tmp`, as big as the cache, beside it for good: the next run removes it, and nothing else."
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    out, stale, kept = tmp_path / "cache.npz", tmp_path / ".cache.npz.0123456789ab.tmp", tmp_path / ".other.npz.0123456789ab.tmp"
+    for p in (stale, kept): p.write_bytes(b"half a cache")
+    assert same_cache(extract(clip, data, out=out, **RUN), reference[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cache.npz", kept.name])
+
+
 def test_corrupt_and_truncated_shards_are_recomputed(clip, data, reference, tmp_path, monkeypatch, counted):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
     out = tmp_path / "cache.npz"

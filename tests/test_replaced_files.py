@@ -79,3 +79,15 @@ def test_a_failed_audit_keeps_the_previous_audit_and_leaves_no_temporary_file(tm
     with pytest.raises(OSError, match="No space"): write_audit(tmp_path / "r.csv", path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_the_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path, suffix):
+    "A run killed while it replaced its state (or its Parquet file) left `.<name>.<hex>.tmp` beside it, and they piled up: the next run removes them, and nothing else."
+    if suffix == ".parquet": pytest.importorskip("pyarrow")
+    out = scored(tmp_path, 200, suffix)
+    stale = [f".{out.name}.state.pt.0123456789ab.tmp", f".{out.name}.fedcba987654.tmp"]  # as `replace_atomically` names them
+    kept = [f".{out.name}.state.pt.notes.tmp", ".c2.npz.0123456789ab.tmp", "notes.tmp"]  # not what a killed write of this run leaves
+    for name in stale + kept: (tmp_path / name).write_bytes(b"half a file")
+    scored(tmp_path, 300, suffix)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == sorted(kept)

@@ -38,7 +38,7 @@ import torch
 
 from ..bench.cache import CorruptCacheError, EmbeddingCache, content_digest, not_utf8, read_npz, write_npz_atomic
 from ..bench.prepared import PreparedFolder, read_prepared
-from ..deploy import check_writable, hold_lock, same_file
+from ..deploy import check_writable, hold_lock, remove_temporaries, same_file
 from . import VLM, check_vlm, load_vlm, model_device, prompt_ensemble
 from .flair import FLAIR_TEXT_POOLINGS
 from ..scores import plain_number
@@ -666,6 +666,7 @@ def _writing(out, # the cache file the run writes, or None
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
             except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
+            else: remove_temporaries(out)  # a killed run's partial cache
         busy = broadcast(busy)
         if busy: raise OSError(busy)
         yield

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_writable, hold_lock, replace_atomically, same_file, save_state, torch_load_safely
+from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_writable, hold_lock, remove_temporaries, replace_atomically, same_file, save_state, torch_load_safely
 from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
@@ -157,6 +157,7 @@ class Results:
         with contextlib.ExitStack() as held:
             try: held.enter_context(hold_lock(self.lock_path))
             except BlockingIOError: raise ValueError(f"another run is writing {self.out} (it holds {self.lock_path.name}); wait for it to end, or choose another --out") from None
+            remove_temporaries(self.out, self.state_path)  # those a killed run's state or Parquet file left
             try: yield
             except BaseException:
                 if created: self.lock_path.unlink(missing_ok=True)  # still held, so no other run's: one that opened it finds it gone and locks a new file (`hold_lock`)

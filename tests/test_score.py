@@ -49,6 +49,25 @@ def test_two_runs_give_the_rows_of_one(tmp_path, half):
         np.testing.assert_allclose(x[num].to_numpy(), y[num].to_numpy(), atol=1e-5)  # batch invariance, up to float32 rounding
 
 
+def test_two_runs_at_the_default_chunk_size_give_the_decisions_of_one_and_its_numbers_up_to_rounding(tmp_path):
+    "Today's 300 images, then tomorrow's 700, at the default chunk size: the second run's chunks (engine-sized) start where one run's do not."
+    go = lambda n, out: score_stream(cache_file(tmp_path / "c.npz", n), out, config=CONFIG, warmup=50, progress=False)
+    go(None, tmp_path / "once.csv"); go(300, tmp_path / "two.csv")
+    assert go(None, tmp_path / "two.csv") == (N - 300, N)
+    once, two = (Results(tmp_path / f).load()[1] for f in ("once.csv", "two.csv"))
+    columns = row_columns(["class 0", "class 1"])
+    numbers = ["score", "threshold", "confidence", "alpha", "base", "proto", "drift"]
+    keep = [j for j, c in enumerate(columns) if c not in numbers]
+    assert [[r[j] for j in keep] for r in two] == [[r[j] for j in keep] for r in once]  # paths, flags, classes, bank entries and counts, alarms, status
+    col = lambda rows, c: np.array([float(r[columns.index(c)]) if r[columns.index(c)] else np.nan for r in rows])
+    tau = EmbeddingCache.load(tmp_path / "c.npz").temperature
+    tol = 1e-5 + 4 * np.finfo(np.float32).eps / min(tau, 1)  # the batch invariance of the engine's tests and the deployment chapter's promises
+    for c in numbers[:-1]: np.testing.assert_allclose(col(two, c), col(once, c), rtol=0, atol=tol, equal_nan=True, err_msg=c)
+    sigma = Results(tmp_path / "once.csv").load()[0]["monitor"]["threshold"]["std"]
+    bound = np.nancumsum(np.abs(col(two, "score") - col(once, "score"))) / sigma  # CUSUM is 1-Lipschitz: it adds up the standardised differences
+    assert (np.nan_to_num(np.abs(col(two, "drift") - col(once, "drift"))) <= bound + 1e-9).all()
+
+
 @pytest.mark.parametrize("k", [0, 1, 4])
 def test_a_killed_run_resumes_to_identical_results(tmp_path, monkeypatch, k):
     cache = cache_file(tmp_path / "c.npz")

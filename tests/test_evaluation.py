@@ -461,3 +461,13 @@ def test_the_command_a_partial_course_cache_is_sent_to_runs_as_written(tmp_path,
     r = subprocess.run([str(Path(sys.executable).parent / "proton-ood"), *command, "--permutations", "1", "--no-progress"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_row_is_recreated_by_the_streams_chapter_instruction(cache):
+    "21_streams: a row of `evaluate(seed=S)` is `make_stream(..., seed=<its seed>, sample_seed=S)`; at rho < 1 the subsample is drawn with S too."
+    from proton.metrics import ood_metrics
+    df, _ = quiet_evaluate(cache, ["proton"], shifts=["covariate"], n_permutations=2, seed=2, rho=0.7)
+    row = df[df.seed == 3].iloc[0]
+    stream = make_stream(cache, "covariate", rho=0.7, seed=int(row.seed), sample_seed=2)
+    s = method_scores("proton", cache, stream, None)
+    assert ood_metrics(s[~stream.is_ood], s[stream.is_ood])["auroc"] == row.auroc

@@ -439,7 +439,7 @@ def _parser():
     p.add_argument("--experiments", default="main_table", help=f"comma-separated names from {list(EXPERIMENTS)}, or 'all'")
     # no defaults here: `_given` fills them in, so that an option given to an experiment that does not take it can be named
     p.add_argument("--permutations", type=int, help="stream orders per shift (the paper: 5)")
-    p.add_argument("--seed", type=int, help="seed of the first stream order and of the held-out split (default: 0)")
+    p.add_argument("--seed", type=int, help="seed of the first stream order, of the subsampling to --rho and of the held-out split (default: 0)")
     p.add_argument("--rho", help="ID fraction of the streams, or 'all' to keep every image (the paper: 0.7)")
     p.add_argument("--fpr95", choices=FPR95_CONVENTIONS, help="FPR95 convention (the paper's: ju2025)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")

@@ -21,7 +21,7 @@ def regime(world:SyntheticWorld|None=None, # the base world whose other knobs ar
            n_id:int=300, # ID images per cache
            n_per_shift:int=150, # images per OOD shift per cache
            n_permutations:int=3, # stream orders per cell
-           seed:int=0, # seed of the caches and of the first stream order
+           seed:int=0, # seed of the caches, of the first stream order and of the subsampling to rho
            config:ProtonConfig|None=None, # PROTON's hyperparameters; None: the paper's
            progress:bool=True): # show a tqdm bar
     "Covariate AUROC of MCM and PROTON over a grid of `cov_shift` × `class_strength`: `evaluate`'s rows with the two knobs."

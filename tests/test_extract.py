@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 from skimage import data as skdata
 
@@ -642,6 +643,7 @@ open(f"{str(tmp_path)}/rank{{dist.get_rank()}}.txt", "w").write(cache.content_ha
     (["--worker-share", "2"], {}, "worker_share must be a number from 0 to 1"),
     (["--prompt-sets", "nope.json"], {}, "no prompt file at nope.json"),
     ([], {"SOURCE_DATE_EPOCH": "abc"}, "SOURCE_DATE_EPOCH must be an integer number of seconds, got 'abc'"),
+    ([], {"SOURCE_DATE_EPOCH": "99999999999999999999"}, "SOURCE_DATE_EPOCH=99999999999999999999 is out of range"),
     (["--out", ""], {}, "name the cache file to write"),
 ])
 def test_bad_options_are_named_before_the_model_loads(data, tmp_path, monkeypatch, capsys, args, env, message):
@@ -876,3 +878,13 @@ def test_text_pooling_on_the_command_line_is_refused_for_a_model_without_it(data
     err = capsys.readouterr().err.strip()
     assert err == f"proton-ood extract: error: --text-pooling is for flair, not {MODEL}: leave it out", err
     assert not out.exists()
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(epoch=st.one_of(st.integers(max_value=-62135596801), st.integers(min_value=253402300800)))  # before year 1 or after 9999
+def test_a_source_date_epoch_out_of_range_is_named_as_such(monkeypatch, epoch):
+    "An OverflowError that did not name SOURCE_DATE_EPOCH, or 'must be an integer' for an integer."
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", str(epoch))
+    with pytest.raises(ValueError, match=rf"^SOURCE_DATE_EPOCH={epoch} is out of range: the years 1 to 9999 are ") as e: ex._created()
+    assert "\n" not in str(e.value)
+    for edge in (-62135596800, 253402300799): monkeypatch.setenv("SOURCE_DATE_EPOCH", str(edge)); ex._created()  # the first and last seconds are fine

@@ -357,3 +357,13 @@ def test_the_report_names_what_of_the_paper_it_does_not_make(report):
     md = json.loads((report[0] / "report" / "metadata.json").read_text())
     assert "figure1" in md["not_made"] and "misrouting and stream orders" in md["not_made"]
     assert "Figure 1" in (report[0] / "report" / "report.md").read_text()
+
+
+def test_a_source_date_epoch_out_of_range_is_a_one_line_error_naming_it(tmp_path, capsys, monkeypatch):
+    "reproduce printed 'error: OverflowError: timestamp out of range for platform time_t', naming neither the variable nor the problem."
+    from proton.cli import main
+    make_domain(tmp_path / "data" / "radiology", prompt_sets=False)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "99999999999999999999")
+    assert main(["reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "r"), "--model", MODEL, "--no-progress", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("proton-ood reproduce: error: ") and "SOURCE_DATE_EPOCH=99999999999999999999 is out of range" in err and "\n" not in err, err

@@ -677,8 +677,11 @@ def _created():
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch is None: when = datetime.now(timezone.utc)
     else:
-        try: when = datetime.fromtimestamp(int(epoch), timezone.utc)
+        try: seconds = int(epoch)
         except ValueError: raise ValueError(f"SOURCE_DATE_EPOCH must be an integer number of seconds, got {epoch!r}") from None
+        try: when = datetime.fromtimestamp(seconds, timezone.utc)
+        except (OverflowError, OSError, ValueError):  # past what datetime (or the platform's time_t) holds
+            raise ValueError(f"SOURCE_DATE_EPOCH={seconds} is out of range: the years 1 to 9999 are -62135596800 to 253402300799 seconds") from None
     return when.isoformat(timespec="seconds")
 
 def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, checkpoint, checkpoint_sha256, local:bool, amp:bool):

@@ -201,12 +201,19 @@ def _memory_named(self:Proton, n:int): # images of the batch being scored
                          "needs more memory than can be allocated; score fewer images per call or choose a smaller bank_size") from e
 
 def _score_one(self:Proton, x): # one image embedding
-    "The (1,) score of one image on the engine's numpy path; None when another path must handle `x`."
+    "The (1,) score of one image on the engine's numpy path, all or nothing; None when another path must handle `x`."
     if self.device.type != "cpu": return None
     if self._views is None or not self._views.sees(self.text, self.bank): self._views = BankViews(self.text, self.bank)
-    out = score_one(x, self._views, self._active, self.temperature, self.welford, self.base_fn)
-    if out is None: return None
-    score, self.welford = out
+    views, welford, learned = self._views, self.welford, self._learned_var_ref  # `score_one` replaces the moments, never changes them
+    views.saved = None
+    try:
+        out = score_one(x, views, self._active, self.temperature, welford, self.base_fn)
+        if out is None: return None
+        score, self.welford = out
+        self._learn_var_ref()
+    except BaseException:  # put back the one queue `score_one` saved, the moments and σ²_0
+        views.undo(); self.welford = welford; self._set_var_ref(learned)
+        raise
     return torch.full((1,), score, dtype=self.dtype)
 
 def _scan(self:Proton,
@@ -250,9 +257,7 @@ def _score(self:Proton,
            base=None, # (N,) base scores of these images computed elsewhere; None: `config.base_score` of their logits
            routed=None): # (N,) class an upstream system routes each image to; None: its zero-shot class
     "Score the next images of the stream (higher = more OOD) and advance the detector's state, all or nothing."
-    if not return_parts and base is None and routed is None and (one := self._score_one(image_embeddings)) is not None:
-        self._learn_var_ref()
-        return one
+    if not return_parts and base is None and routed is None and (one := self._score_one(image_embeddings)) is not None: return one
     X, norms = as_rows(image_embeddings, dim=self.dim, dtype=self.dtype, device=self.device, name="image embeddings")
     if base is not None: base = self._base_scores(base, len(X))
     if routed is not None: routed = self._check_routed(routed, len(X))

@@ -273,6 +273,13 @@ class BankViews:
         self.text, self.entries, self.counts, self.prototypes = (t.numpy() for t in self.tensors)
         self.address = self.entries.ctypes.data  # looking up an address costs microseconds: once, here
         self.ones = np.ones(bank.size, dtype=self.entries.dtype)
+        self.saved = None  # (class, count, first row, rows, prototype) of the queue `score_one` changes, as they were before
+
+    def undo(self):
+        "Put back the queue rows, count and prototype `score_one` saved before changing them (none saved: nothing to do)."
+        if self.saved is None: return
+        k, m, a, rows, proto = self.saved
+        self.entries[k, a:a + len(rows)] = rows; self.counts[k] = m; self.prototypes[k] = proto
 
     def sees(self, text:Tensor, bank:PrototypeBank):
         "Whether the views still share memory with `text` and the bank's tensors (replaced tensors need new views)."
@@ -293,7 +300,7 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
               temperature:float, # τ of the zero-shot softmax
               welford:Welford, # the running moments before the image
               base_fn): # the base score, (N, C) logits -> (N,) scores
-    "One image's score and the moments after it, the bank updated in place; None when `x` needs the general path."
+    "One image's score and the moments after it, the bank updated in place (what changes saved first in `views.saved`); None when `x` needs the general path."
     text, entries, counts = views.text, views.entries, views.counts
     shapes = ((text.shape[1],), (1, text.shape[1]))
     if isinstance(x, Tensor):  # checked before `numpy()`, which refuses bfloat16 (upcast exactly, as float16 is below) and float8
@@ -326,7 +333,8 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     var, score = welford.update(base), base
     if min(counts.tolist()) >= config.k_min: score = adaptive_fusion(base, 1 - float((views.prototypes @ e).max()), var, config)[0]
     if passes_gate(confidence, config.gamma):
-        m = int(counts[k])
+        m = int(counts[k]); a = 0 if m == len(views.ones) else m  # evicting moves every row of the queue
+        views.saved = k, m, a, entries[k, a:m + 1].copy(), views.prototypes[k].copy()  # for `undo`, should a Ctrl-C stop the update
         if m == len(views.ones): _shift_up(views.address + k * entries.strides[0], entries.strides[1], m); m -= 1
         entries[k, m] = e; counts[k] = m + 1
         total = views.ones[:m + 1] @ entries[k, :m + 1]

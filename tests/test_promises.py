@@ -1,6 +1,7 @@
 """The detector's promises under adversarial input: batch invariance at the boundaries of the configuration, no autograd
 history, supported dtypes only, consistent saved states, all-or-nothing calls on every path. Each test was written to
 fail on the code before its fix (issue 13)."""
+import copy
 import io
 import math
 
@@ -175,6 +176,56 @@ def test_an_interrupted_step_path_call_leaves_no_trace(monkeypatch):
     after = det.state_dict()
     assert len(calls) == 3 and det.welford.n == 100
     assert all(torch.equal(after[k], before[k]) for k in ("bank", "counts", "welford"))
+
+
+class Interrupting(np.ndarray):
+    "The one-image path's vector of ones, read right after the queue and its count are written: a Ctrl-C arrives there."
+    def __getitem__(self, i): raise KeyboardInterrupt
+
+
+def entering(det, E, full:bool):
+    "The first image of `E` that enters a full queue (`full`) or one not yet full, found on copies of `det`."
+    for j in range(len(E)):
+        c = copy.copy(det); c.score(E[j])
+        changed = (c.bank.entries != det.bank.entries).any((1, 2)) | (c.bank.counts != det.bank.counts)
+        if changed.any() and bool((det.bank.counts[changed] == det.config.bank_size).all()) == full: return j
+
+
+def assert_untouched(det, before, T):
+    "`det`'s state is `before`, and it saves and loads."
+    after = det.state_dict()
+    for k in ("bank", "counts", "prototypes", "welford", "var_ref"): torch.testing.assert_close(after[k], before[k], rtol=0, atol=0, equal_nan=True)
+    loaded = Proton(T, det.config, dtype=det.dtype).load_state_dict(after).state_dict()
+    for k in ("bank", "counts", "prototypes", "welford", "var_ref"): torch.testing.assert_close(loaded[k], after[k], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("where, n", [("shift", 100), ("write", 100), ("write", 4)])
+def test_an_interrupted_one_image_call_leaves_no_trace(monkeypatch, where, n):
+    det, T, E = trained(n=n)
+    det.score(E[n])  # one image: the detector makes the views that path works on
+    j = n + 1 + entering(det, E[n + 1:], full=n == 100)
+    before, shift = det.state_dict(), proton.engine._shift_up
+    if where == "shift":  # right after the full queue moved up a row
+        def interrupting(*a): shift(*a); raise KeyboardInterrupt
+        monkeypatch.setattr(proton.engine, "_shift_up", interrupting)
+    else: det._views.ones = det._views.ones.view(Interrupting)
+    with pytest.raises(KeyboardInterrupt): det.score(E[j])
+    assert_untouched(det, before, T)
+
+
+def test_an_interrupt_at_the_end_of_the_warm_up_leaves_no_trace(monkeypatch):
+    T, E = clustered_stream(2, 16, 300, seed=5)
+    cfg = ProtonConfig(bank_size=8, k_min=2, temperature=0.2, warmup=40)
+    det, ref = Proton(T, cfg), Proton(T, cfg)
+    det.score(E[:39]); ref.score(E[:40])
+    before = det.state_dict()
+    def interrupting(self): raise KeyboardInterrupt  # arrives just before σ²_0 is read off the warm-up
+    monkeypatch.setattr(Proton, "_learn_var_ref", interrupting)
+    with pytest.raises(KeyboardInterrupt): det.score(E[39])
+    monkeypatch.undo()
+    assert_untouched(det, before, T)
+    det.score(E[39])
+    assert det.var_ref == ref.var_ref != cfg.var_ref and torch.equal(det.state_dict()["welford"], ref.state_dict()["welford"])
 
 
 # ---------------------------------------------------------------------------------------------- messages

@@ -129,7 +129,7 @@ def test_gpu_check_installs_over_a_copy_left_by_an_earlier_run(tmp_path):
 def test_gpu_check_passes_its_device_to_every_benchmark(tmp_path):
     _, calls = gpu_check(tmp_path, "c d", dev="cpu")
     scripts = [c for c in calls if c.startswith("benchmarks/")]
-    assert len(scripts) == 8 and all("--device cpu" in c for c in scripts), scripts
+    assert len(scripts) == 9 and all("--device cpu" in c for c in scripts), scripts
 
 
 def test_gpu_check_header_names_every_file_it_writes():

@@ -431,6 +431,25 @@ def test_one_image_as_the_source_is_named_as_an_image_not_read_as_a_file_list(tm
     with pytest.raises(ValueError, match=r"e\.g\. '.*in/\\x00a\\x1bb\.png'$"): list_images(tmp_path / "odd.txt")  # escaped, as the terminal can show it
 
 
+def test_a_file_list_from_a_pipe_is_read_whole(tmp_path):
+    "`ls ... | proton-ood score /dev/stdin`: the image-file check read the pipe's first 8 KiB (looking for a DICOM marker), and those images were silently left out."
+    from PIL import Image
+    (tmp_path / "in").mkdir()
+    paths = [str(tmp_path / "in" / f"im{i:05d}.png") for i in range(300)]
+    for i, p in enumerate(paths): Image.new("RGB", (4, 4), (i % 256, 0, 0)).save(p)
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "score", "/dev/stdin", "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none", "--classes", "a,b",
+                        "--no-progress"], input="".join(p + "\n" for p in paths), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "scored 300 new images" in r.stdout, r.stdout + r.stderr
+    fifo = tmp_path / "list"; os.mkfifo(fifo)  # a named pipe: read once, never waited on a second time
+    writer = subprocess.Popen(["sh", "-c", 'cat > "$1"', "sh", str(fifo)], stdin=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from proton.models.score import list_images; print(len(list_images(sys.argv[1])))",
+                              str(fifo)], stdout=subprocess.PIPE, text=True)
+    writer.communicate("".join(p + "\n" for p in paths[:8]), timeout=60)
+    try: assert child.communicate(timeout=60)[0].strip() == "8"
+    finally: child.kill(); child.wait()
+
+
 def test_hidden_files_and_folders_are_not_images_to_score(tmp_path):
     from PIL import Image
     from proton.models.score import list_images

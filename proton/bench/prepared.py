@@ -198,7 +198,8 @@ def _read_prompt_sets(root:Path, classes:list):
 
 # %% ../../nbs/44_data.ipynb
 def has_dicom_marker(path:str|os.PathLike): # a file
-    "Whether `path` holds DICOM's 'DICM' marker after the 128-byte preamble."
+    "Whether the regular file `path` holds DICOM's 'DICM' marker after the 128-byte preamble; a pipe or a device is never read."
+    if not Path(path).is_file(): return False  # reading a pipe (a file list on /dev/stdin) would take its bytes, a FIFO's second open would wait
     try:
         with open(path, "rb") as f: head = f.read(132)
     except OSError: return False  # not readable: not known as DICOM (reading it as an image then says why)

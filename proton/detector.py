@@ -211,10 +211,10 @@ def _score_one(self:Proton, x): # one image embedding
         if out is None: return None
         score, self.welford = out
         self._learn_var_ref()
+        return torch.full((1,), score, dtype=self.dtype)  # inside: an interrupt while the result is built undoes the call too
     except BaseException:  # put back the one queue `score_one` saved, the moments and σ²_0
         views.undo(); self.welford = welford; self._set_var_ref(learned)
         raise
-    return torch.full((1,), score, dtype=self.dtype)
 
 def _scan(self:Proton,
           X:Tensor, # (N, d) image embeddings, not yet normalised

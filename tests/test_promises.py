@@ -4,6 +4,7 @@ fail on the code before its fix (issue 13)."""
 import copy
 import io
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -199,15 +200,20 @@ def assert_untouched(det, before, T):
     for k in ("bank", "counts", "prototypes", "welford", "var_ref"): torch.testing.assert_close(loaded[k], after[k], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("where, n", [("shift", 100), ("write", 100), ("write", 4)])
+@pytest.mark.parametrize("where, n", [("shift", 100), ("write", 100), ("write", 4), ("dtype", 100), ("full", 4)])
 def test_an_interrupted_one_image_call_leaves_no_trace(monkeypatch, where, n):
     det, T, E = trained(n=n)
     det.score(E[n])  # one image: the detector makes the views that path works on
     j = n + 1 + entering(det, E[n + 1:], full=n == 100)
-    before, shift = det.state_dict(), proton.engine._shift_up
+    before, shift, real = det.state_dict(), proton.engine._shift_up, dict(dtype=Proton.dtype.fget, full=torch.full).get(where)
     if where == "shift":  # right after the full queue moved up a row
         def interrupting(*a): shift(*a); raise KeyboardInterrupt
         monkeypatch.setattr(proton.engine, "_shift_up", interrupting)
+    elif real is not None:  # while the one-image path builds its return value
+        def interrupting(*a, **kw):
+            if sys._getframe(1).f_code.co_name == "_score_one": raise KeyboardInterrupt
+            return real(*a, **kw)
+        monkeypatch.setattr(*((Proton, "dtype", property(interrupting)) if where == "dtype" else (torch, "full", interrupting)))
     else: det._views.ones = det._views.ones.view(Interrupting)
     with pytest.raises(KeyboardInterrupt): det.score(E[j])
     assert_untouched(det, before, T)

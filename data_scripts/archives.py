@@ -79,9 +79,10 @@ class ZipContainer(Container):
         # only the central directory is checked on opening: a member's damaged bytes (bad CRC, zlib.error) or a
         # compression zipfile lacks (NotImplementedError for Deflate64, RuntimeError when encrypted) show when it is read
         info = self.zip.getinfo(member)
-        check_size(self.path, member, info.file_size)  # zipfile reads no more than the declared size
+        check_size(self.path, member, info.file_size)  # zipfile returns no more than the declared size (then checks the CRC) ...
         try:
-            return self.zip.read(info)
+            with self.zip.open(info) as f:  # ... but inflates up to 1 GiB a read before cutting: read in chunks, each inflated to at most 1 MiB
+                return b"".join(iter(lambda: f.read(1 << 20), b""))
         except (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, EOFError) as err:
             raise LayoutError(f"{self.path}:{member}: cannot be read ({type(err).__name__}: {err}); delete the archive and "
                               "download it again, or extract it with another tool and pass the folder with --local") from err

@@ -1559,6 +1559,23 @@ def test_a_member_too_large_for_an_image_is_refused_before_it_is_read(tmp_path, 
         container.read("x/1.tif")
 
 
+def test_a_zip_member_that_says_it_is_small_is_not_inflated_whole(tmp_path):
+    "zipfile inflates up to 1 GiB a read before cutting to the declared size: a member declaring 1,000 bytes took 32 MiB (or 1 GiB) of memory."
+    import tracemalloc
+    path = make_zip(tmp_path / "a.zip", {"x/0.tif": bytes(32 << 20)})  # 32 MiB of zeros: 32 KiB deflated
+    data = bytearray(path.read_bytes())
+    at = data.index(b"PK\x01\x02")  # the central directory's entry: its uncompressed size, at byte 24, is what zipfile trusts
+    data[at + 24:at + 28] = struct.pack("<I", 1000)
+    path.write_bytes(data)
+    container = archives.open_container(path)
+    tracemalloc.start()
+    try:
+        with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/0.tif: cannot be read")): container.read("x/0.tif")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally: tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes taken to read a member of 1,000 bytes"
+
+
 def test_a_tar_holds_the_same_files_as_its_folder_hard_links_included(tmp_path):
     "A file that is a second name (hard link) of another is stored in a tar as a link member: it is read as the file it names."
     folder = make_dir(tmp_path / "d", {"train/1.png": image_bytes("PNG", 1), "train/2.png": image_bytes("PNG", 2)})

@@ -677,11 +677,15 @@ def _created():
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch is None: when = datetime.now(timezone.utc)
     else:
+        value = epoch.strip()
+        shown = value if len(value) <= 20 else value[:20] + "..."  # thousands of digits stay off the message's line
+        far = ValueError(f"SOURCE_DATE_EPOCH={shown} is out of range: the years 1 to 9999 are -62135596800 to 253402300799 seconds")
         try: seconds = int(epoch)
-        except ValueError: raise ValueError(f"SOURCE_DATE_EPOCH must be an integer number of seconds, got {epoch!r}") from None
+        except ValueError:  # not an integer, or one of more digits than int() reads (4300): far out of range
+            if value[value[:1] in ("+", "-"):].isdecimal(): raise far from None
+            raise ValueError(f"SOURCE_DATE_EPOCH must be an integer number of seconds, got {shown!r}") from None
         try: when = datetime.fromtimestamp(seconds, timezone.utc)
-        except (OverflowError, OSError, ValueError):  # past what datetime (or the platform's time_t) holds
-            raise ValueError(f"SOURCE_DATE_EPOCH={seconds} is out of range: the years 1 to 9999 are -62135596800 to 253402300799 seconds") from None
+        except (OverflowError, OSError, ValueError): raise far from None  # past what datetime (or the platform's time_t) holds
     return when.isoformat(timespec="seconds")
 
 def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, checkpoint, checkpoint_sha256, local:bool, amp:bool):

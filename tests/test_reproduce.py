@@ -208,6 +208,21 @@ def test_a_cache_extracted_from_other_images_under_the_same_names_is_refused(tmp
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 
+def test_a_vit_cache_whose_local_features_predate_glmcms_value_path_is_not_reused(tmp_path):
+    """ViT local features were the final-layer patch tokens until they followed GL-MCM's value path; a cache of before held the old
+    ones, recorded nothing that told them apart, and was reused by reproduce: GL-MCM's numbers silently came from the wrong features."""
+    from proton.bench.cache import EmbeddingCache
+    from proton.models.reproduce import domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    path, cache = domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    assert cache.local_embeddings is not None and cache.metadata["local_features"] == "value path of the last block (GL-MCM)"
+    del cache.metadata["local_features"]
+    cache.save(path)  # as a cache extracted before the value path
+    with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* holds local features from before they followed GL-MCM's value path"):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
 def test_extraction_inside_reproduce_keeps_its_warnings_but_the_skipped_images(tmp_path):
     "domain_cache ignored every warning of extract, 'recomputing shard k' among them; only the skipped images are said elsewhere (the report)."
     from proton.models import load_vlm

@@ -1047,3 +1047,53 @@ def test_a_reader_that_left_gets_the_audit_written_and_the_warnings_shown(tmp_pa
     os.close(writer)
     assert r.returncode == 141 and (tmp_path / "a.csv").exists(), r.stderr
     assert r.stderr.startswith("proton-ood score: warning: one class: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.parametrize("classes", ["Normal,normal", "normal,NORMAL"])
+def test_classes_the_model_cannot_tell_apart_are_refused_before_any_file(tmp_path, classes):
+    "open_clip's tokenizer lowercases: two names differing in case gave one text embedding, so every confidence was 1/2, silently."
+    folder = photo_folder(tmp_path / "in", broken=())
+    with pytest.raises(ValueError, match="give one text embedding"):
+        score_stream(folder, tmp_path / "r.csv", "open_clip:ViT-S-32/none", classes, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n", "[]"])
+def test_a_prompt_file_without_prompts_is_refused_not_replaced_by_the_class_names(tmp_path, text):
+    (tmp_path / ("p.json" if text == "[]" else "p.txt")).write_text(text)
+    path = tmp_path / ("p.json" if text == "[]" else "p.txt")
+    with pytest.raises(ValueError, match=re.escape(f"the prompt file {path} holds no prompts")): class_prompts_from("a,b", path)
+
+
+@pytest.mark.parametrize("text,message", [('"a photo"', "a list of prompts or an object class -> prompts, not a str"),
+                                          ("5", "a list of prompts or an object class -> prompts, not a int"),
+                                          ("null", "a list of prompts or an object class -> prompts, not a NoneType"),
+                                          ("[[]]", "the prompt of class 0 must be a prompt or a non-empty list of non-empty prompts"),
+                                          ("[3, 4]", "the prompt of class 0 must be a prompt or a non-empty list of non-empty prompts")])
+@pytest.mark.parametrize("classes", [None, "a,b"])
+def test_a_prompt_file_of_the_wrong_shape_is_named_in_one_line(tmp_path, text, message, classes):
+    "A JSON prompt file holding a string, a number or a list of non-prompts raised TypeError/IndexError, or took each letter as a class."
+    (tmp_path / "p.json").write_text(text)
+    with pytest.raises(ValueError) as e: class_prompts_from(classes, tmp_path / "p.json")
+    if classes is None or text[0] != "[": assert message in str(e.value), e.value
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("classes,prompts", [("a,b\udcff", None), ("a,b", ["a", "b\udcff"]), (None, {"a": "x", "b\udcff": "y"})])
+def test_names_and_prompts_that_are_not_text_are_refused_before_any_file(tmp_path, classes, prompts):
+    "A class name in another encoding (a byte that is no UTF-8, from the command line) failed as the results were written, leaving r.csv and its state empty."
+    with pytest.raises(ValueError, match="not UTF-8 text"): class_prompts_from(classes, prompts)
+    folder = photo_folder(tmp_path / "in", broken=())
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        score_stream(folder, tmp_path / "r.csv", "open_clip:ViT-S-32/none", classes, prompts=prompts, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_class_name_that_is_not_utf8_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
+    folder = photo_folder(tmp_path / "in", n=2, broken=())
+    exe = shutil.which("proton-ood") or str(Path(sys.executable).parent / "proton-ood")
+    r = subprocess.run([exe, "score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "open_clip:ViT-S-32/none",
+                        "--classes", b"a,b\xff", "--no-progress"], capture_output=True, timeout=600)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 1 and err.count("\n") == 1 and "not UTF-8 text" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..deploy import replace_atomically
-from ..scores import MIN_NORM, as_unit_rows, check_temperature, add_methods
+from ..scores import MIN_NORM, as_unit_rows, check_temperature, add_methods, shared_direction
 from .synth import SHIFTS, SyntheticWorld
 
 # %% ../../nbs/20_cache.ipynb
@@ -85,10 +85,8 @@ def _check_directions(E:np.ndarray, # (N, d) image embeddings
                       T:np.ndarray): # (C, d) text embeddings
     "Raise unless every row can be normalised and no two classes share a text direction (the detector could not tell them apart)."
     for name, X in (("image_embeddings", E), ("text_embeddings", T)): _check_lengths(X, name)
-    U = T.astype(np.float64); U = U / np.linalg.norm(U, axis=1, keepdims=True)
-    for a in range(0, len(U), 1024):  # cosines of 1,024 rows with the later ones at a time: C × 1,024 numbers, never C² × d
-        i, j = np.nonzero(np.triu(U[a:a + 1024] @ U.T, a + 1) > 1 - 1e-12)
-        if len(i): raise ValueError(f"text_embeddings rows {a + i[0]} and {j[0]} point the same way: two classes with one text embedding cannot be told apart")
+    pair = shared_direction(T)
+    if pair: raise ValueError(f"text_embeddings rows {pair[0]} and {pair[1]} point the same way: two classes with one text embedding cannot be told apart")
 
 def _check_patches(local:np.ndarray): # (N, L, d) local embeddings
     "Raise unless there are patches and every one can be normalised, naming the images, and their patches, that have a zero-length one."

@@ -42,9 +42,16 @@ from ..deploy import check_writable, hold_lock, remove_temporaries, same_file
 from . import VLM, check_vlm, load_vlm, model_device, prompt_ensemble
 from .flair import FLAIR_TEXT_POOLINGS
 from ..scores import plain_number
-from .vlm import _named, as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
+from .vlm import _named, one_field, as_rgb_image, pixels_to_float, read_image, snapshot_weights, spec_weights
 
 # %% ../../nbs/43_extract.ipynb
+def _once(pairs:list): # a JSON object's (key, value) pairs
+    "The object as a dict, or `KeyError` naming the first key it holds twice."
+    keys = [k for k, _ in pairs]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None: raise KeyError(twice)
+    return dict(pairs)
+
 def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict class -> prompts); any other file, one prompt per line
     "The prompts in a file: a list (one per class) or a dict (class -> prompts)."
     path = Path(path)
@@ -53,8 +60,12 @@ def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict cl
     try: text = path.read_text(encoding="utf-8-sig")  # -sig: a byte order mark, as Windows editors write, is not part of the first prompt
     except UnicodeDecodeError as e: raise ValueError(f"cannot read the prompt file {path}: it is not UTF-8 text ({e})") from None
     if path.suffix.lower() == ".json":  # only by its name: a prompt per line may begin with [ or {, as "[normal] a fundus photograph"
-        try: return json.loads(text)
+        try: prompts = json.loads(text, object_pairs_hook=_once)
         except ValueError as e: raise ValueError(f"prompt file {path} is not valid JSON: {e}") from None
+        except KeyError as e: raise ValueError(f"prompt file {path} names {e.args[0]!r} twice in one object: JSON would keep the last silently") from None
+        if not isinstance(prompts, (list, dict)):
+            raise ValueError(f"prompt file {path} must hold a list of prompts or an object class -> prompts, not a {type(prompts).__name__}")
+        return prompts
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 # %% ../../nbs/43_extract.ipynb
@@ -94,9 +105,9 @@ def tag_prompts(class_names, # the ID classes' names, in label order
                 seed:int=0): # seed of the shuffles
     "TAG's augmented prompts: class name -> `n` copies of `template` with its words shuffled, the class name kept whole."
     words = template.split()
-    if sum("{}" in w for w in words) != 1: raise ValueError(f"template must hold one {{}} for the class name, got {template!r}")
+    if not one_field(template): raise ValueError(f"template must hold one {{}} for the class name, got {template!r}")
     rng = np.random.default_rng(seed)
-    return {c: [" ".join(words[k].replace("{}", c) for k in rng.permutation(len(words))) for _ in range(n)] for c in class_names}
+    return {c: [" ".join(words[k].format(c) for k in rng.permutation(len(words))) for _ in range(n)] for c in class_names}
 
 # %% ../../nbs/43_extract.ipynb
 def resolve_prompt_sets(prompt_sets, # None: the folder's and TAG's; False: none; a dict set -> prompts, or a JSON file of one
@@ -695,7 +706,8 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
     return dict(model=vlm.name, backend=type(vlm).__qualname__, checkpoint=None if checkpoint is None else Path(checkpoint).name,
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
-                device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local, text_pooling=getattr(vlm, "text_pooling", None),
+                device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local, local_features=vlm.local_features if local else None,
+                text_pooling=getattr(vlm, "text_pooling", None),
                 n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
                 library_version=__version__, torch_version=torch.__version__, created=_created())
@@ -872,7 +884,7 @@ def _parser():
 def parse_prompts(text:str|None): # the --prompts argument
     "A path if `text` names a file or a folder (which `read_prompt_file` refuses), else the comma-separated prompts."
     if text is None or Path(text).exists(): return text
-    if Path(text).suffix in (".json", ".txt"): raise FileNotFoundError(f"no prompt file at {text}")
+    if Path(text).suffix.lower() in (".json", ".txt"): raise FileNotFoundError(f"no prompt file at {text}")
     return [p.strip() for p in text.split(",")]
 
 # %% ../../nbs/43_extract.ipynb

@@ -164,6 +164,7 @@ def load_flair_tokenizer(tokenizer=None): # a folder with vocab.txt, the vocab.t
 # %% ../../nbs/41_flair.ipynb
 class FLAIR(VLM):
     "FLAIR behind the `VLM` protocol."
+    local_features = "projected last feature map"
     def __init__(self, net:FlairNet, # the model, with its weights
                  tokenizer, # Bio_ClinicalBERT's tokenizer, e.g. from `load_flair_tokenizer`
                  device="cpu", # where the model runs

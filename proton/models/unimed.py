@@ -16,7 +16,7 @@ from dataclasses import dataclass, asdict
 import torch
 from torch import nn, Tensor
 
-from .vlm import VLM, as_rgb_image, check_vocab, checkpoint_file, load_bert_vocab, load_weights, load_state_strict, temperature_from_logit_scale, vit_patch_features
+from .vlm import VLM, as_rgb_image, check_vocab, checkpoint_file, load_bert_vocab, load_weights, load_state_strict, temperature_from_logit_scale, vit_patch_features, VIT_LOCAL_FEATURES
 
 # %% ../../nbs/42_unimed.ipynb
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # per-channel mean of OpenAI CLIP's training images
@@ -92,6 +92,7 @@ def clean_prompt(text:str): # a prompt
 # %% ../../nbs/42_unimed.ipynb
 class UniMedVLM(VLM):
     "UniMed-CLIP behind the `VLM` protocol."
+    local_features = VIT_LOCAL_FEATURES
     def __init__(self,
                  model:UniMedCLIP, # the model, weights loaded
                  tokenizer, # a BERT tokenizer, e.g. from `load_bert_tokenizer`

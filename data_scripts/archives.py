@@ -64,6 +64,9 @@ class DirContainer(Container):
         return (self.root / member).read_bytes()
 
 
+UNBOUNDED_ZIP_METHODS = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "LZMA"}  # zip methods whose reads zipfile cannot bound: refused unread
+
+
 class ZipContainer(Container):
     def __init__(self, path: Path):
         self.path = path
@@ -80,6 +83,9 @@ class ZipContainer(Container):
         # compression zipfile lacks (NotImplementedError for Deflate64, RuntimeError when encrypted) show when it is read
         info = self.zip.getinfo(member)
         check_size(self.path, member, info.file_size)  # zipfile returns no more than the declared size (then checks the CRC) ...
+        if info.compress_type in UNBOUNDED_ZIP_METHODS:  # ... but inflates these with no limit on what one read gives
+            raise LayoutError(f"{self.path}:{member}: cannot be read (compressed with {UNBOUNDED_ZIP_METHODS[info.compress_type]}, which zipfile inflates "
+                              "with no bound on the memory it takes); extract the archive with another tool and pass the folder with --local")
         try:
             with self.zip.open(info) as f:  # ... but inflates up to 1 GiB a read before cutting: read in chunks, each inflated to at most 1 MiB
                 return b"".join(iter(lambda: f.read(1 << 20), b""))

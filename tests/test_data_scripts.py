@@ -1576,6 +1576,26 @@ def test_a_zip_member_that_says_it_is_small_is_not_inflated_whole(tmp_path):
     assert peak < 4 << 20, f"{peak} bytes taken to read a member of 1,000 bytes"
 
 
+@pytest.mark.parametrize("method,name", [(zipfile.ZIP_BZIP2, "bzip2"), (zipfile.ZIP_LZMA, "LZMA")])
+def test_a_zip_member_compressed_without_a_bound_on_its_output_is_refused_unread(tmp_path, method, name):
+    """zipfile inflates a bzip2 or LZMA member with no output limit: a member declaring 1,000 bytes whose few hundred compressed
+    bytes hold 64 MiB took all of it into memory (and a crafted one, gigabytes). Such members are named, not read."""
+    import tracemalloc
+    path = tmp_path / "a.zip"
+    with zipfile.ZipFile(path, "w", compression=method) as z: z.writestr("x/0.tif", bytes(64 << 20))
+    data = bytearray(path.read_bytes())
+    at = data.index(b"PK\x01\x02")  # the central directory's entry: its uncompressed size, at byte 24, is what zipfile trusts
+    data[at + 24:at + 28] = struct.pack("<I", 1000)
+    path.write_bytes(data)
+    container = archives.open_container(path)
+    tracemalloc.start()
+    try:
+        with pytest.raises(archives.LayoutError, match=re.escape(f"{path}:x/0.tif: cannot be read (compressed with {name}")): container.read("x/0.tif")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally: tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes taken to read a member of 1,000 bytes"
+
+
 def test_a_tar_holds_the_same_files_as_its_folder_hard_links_included(tmp_path):
     "A file that is a second name (hard link) of another is stored in a tar as a link member: it is read as the file it names."
     folder = make_dir(tmp_path / "d", {"train/1.png": image_bytes("PNG", 1), "train/2.png": image_bytes("PNG", 2)})

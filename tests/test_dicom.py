@@ -194,3 +194,11 @@ def test_a_rescale_beyond_floating_point_is_named_not_read_as_a_black_image(tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy's overflow warnings are no answer either
         with pytest.raises(ValueError, match="IM000001.*rescale"): read_image(path)
+
+
+@pytest.mark.parametrize("version", ["2.4.4", "1.4.2"])
+def test_a_pydicom_before_3_is_named_not_used(tmp_path, monkeypatch, version):
+    "The data extra pins pydicom>=3, but an environment may hold 2.x: YCbCr then read with wrong colours, silently, and a palette file failed with a raw ModuleNotFoundError."
+    path = write_dicom(tmp_path / "grey.dcm", np.zeros((8, 8), dtype=np.uint8))
+    monkeypatch.setattr(pydicom, "__version__", version)
+    with pytest.raises(ImportError, match=re.escape(f'needs pydicom 3 or later, found {version}: pip install "pydicom>=3"')): read_image(path)

@@ -619,6 +619,15 @@ def test_a_model_with_other_weights_under_the_same_name_does_not_reuse_the_shard
     assert same_cache(resumed, extract(b, data, **RUN))
 
 
+def test_shards_of_local_features_of_another_kind_are_not_reused(clip, data, tmp_path, monkeypatch):
+    """ViT local features changed (final-layer patch tokens, then GL-MCM's value path) with nothing in the run fingerprint: a resumed run
+    mixed a killed run's old local features with new ones and recorded the new kind, which reproduce's check then accepted."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    extract(clip, data, out=tmp_path / "c.npz", keep_shards=True, local=True, **RUN)
+    monkeypatch.setattr(type(clip), "local_features", "another kind of local features")
+    with pytest.warns(UserWarning, match=r"recomputing shard \d+: .* belongs to another run"): extract(clip, data, out=tmp_path / "c.npz", local=True, **RUN)
+
+
 def test_torchrun_without_an_out_file_gives_every_rank_the_cache(data, tmp_path):
     "out=None: each rank made a scratch folder of its own and could not read the shards the others wrote."
     script = tmp_path / "run.py"

@@ -439,3 +439,21 @@ def test_a_device_torch_knows_but_cannot_use_here_is_named_before_anything_loads
     monkeypatch.setattr(torch.backends.mps, "is_available", functools.cache(lambda: True))
     if torch.device(device).type == "mps": assert model_device(device) == torch.device(device)
     assert model_device("cpu") == torch.device("cpu")
+
+
+def test_distinct_prompts_a_small_random_model_embeds_nearly_alike_are_not_refused(tmp_path):
+    """A tiny random UniMed text tower embeds 'normal' and 'glaucoma' in one prompt at 1 - cos ~ 6e-7 although their tokens differ
+    inside its context: they were refused as 'read the same to the tokenizer'. The same tokens (text past the context) still are."""
+    from proton.models import prompt_ensemble
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["normal", "glaucoma", "a", "photo", "of", "fundus", "the", "eye", "with"]
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *letters, *("##" + c for c in letters)]) + "\n")
+    u = load_unimed("none", tokenizer=tmp_path, config=SMALL)
+    prompt = lambda c, more="": [f"a fundus photo of the eye with {c}{more}"]
+    ids = [u.tokenizer(prompt(c, " and many more words"), truncation=True, max_length=SMALL.context_length)["input_ids"] for c in ("normal", "glaucoma")]
+    assert ids[0] != ids[1], "the case this test is about: distinct tokens inside the context"
+    T = prompt_ensemble(u, {c: prompt(c, " and many more words") for c in ("normal", "glaucoma")}).double()
+    assert 0 < 1 - float(torch.nn.functional.cosine_similarity(T[0], T[1], dim=0)) < 1e-5, "and nearly one direction"
+    past = " with many more words after it to push the class name out"  # the name beyond 16 tokens: one text embedding
+    with pytest.raises(ValueError, match=r"the classes 'normal' and 'glaucoma' have text embeddings that point the same way \(1 - cos = "):
+        prompt_ensemble(u, {c: ["a fundus photo of the eye" + past + f" {c}"] for c in ("normal", "glaucoma")})

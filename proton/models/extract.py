@@ -69,6 +69,14 @@ def read_prompt_file(path:str|os.PathLike): # a .json file (a list, or a dict cl
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 # %% ../../nbs/43_extract.ipynb
+@contextlib.contextmanager
+def _about(file): # the prompt file the prompts inside came from, or None
+    "Name `file` in a `ValueError` raised inside: an entry's error would not say where the entry is."
+    try: yield
+    except ValueError as e:
+        if file is None: raise
+        raise ValueError(f"prompt file {file}: {e}") from None
+
 def _prompt_list(value, what:str):
     "`value` (one prompt or a list of them) as a non-empty list of non-empty strings."
     ps = [value] if isinstance(value, str) else value
@@ -81,7 +89,9 @@ def resolve_prompts(prompts, # None (classes.json), a list with one prompt per c
     "Class name -> list of prompts, for every ID class in label order."
     C = len(folder.classes)
     if prompts is None: prompts = folder.prompts or list(folder.class_names)
-    if isinstance(prompts, (str, os.PathLike)): prompts = read_prompt_file(prompts)
+    if isinstance(prompts, (str, os.PathLike)):
+        file, prompts = prompts, read_prompt_file(prompts)
+        with _about(file): return resolve_prompts(prompts, folder)
     if isinstance(prompts, dict):
         index = {**{n: i for i, n in enumerate(folder.class_names)}, **{c: i for i, c in enumerate(folder.classes)}}
         unknown = [k for k in prompts if k not in index]
@@ -542,7 +552,8 @@ def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None,
     stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [os.stat(os.path.join(root, f))]]
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, weights_sha256=weights_sha256(vlm), dim=vlm.dim, image_size=list(vlm.image_size),
                preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, amp=amp,
-               decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local, shard_size=shard_size, library_version=__version__, files=stats)
+               decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local,
+               local_features=vlm.local_features if local else None, shard_size=shard_size, library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
 
 # %% ../../nbs/43_extract.ipynb

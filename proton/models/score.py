@@ -29,7 +29,7 @@ from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
 from ..bench.cache import not_utf8
-from .extract import _prompt_list, _say, default_workers, file_sha256, read_prompt_file, resolve_prompts
+from .extract import _about, _prompt_list, _say, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import _named, read_image, spec_weights
 
@@ -288,20 +288,20 @@ def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warm
 def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as on the command line
                        prompts:str|os.PathLike|list|dict|None): # a prompt file, or a list (one per class) or dict (class -> prompts)
     "Class name -> list of prompts: the prompts of each class, or its name as its prompt."
-    given = classes
+    given, file = classes, prompts if isinstance(prompts, (str, os.PathLike)) else None
     if isinstance(classes, str): classes = [c.strip() for c in classes.split(",") if c.strip()]
-    if isinstance(prompts, (str, os.PathLike)):
-        file, prompts = prompts, read_prompt_file(prompts)
+    if file is not None:
+        prompts = read_prompt_file(file)
         if not prompts: raise ValueError(f"the prompt file {file} holds no prompts")  # not the class names in their place
     if classes is None:
         if prompts is None: raise ValueError("name the classes (--classes a,b) or give a prompt file (--prompts)")
-        classes = list(prompts) if isinstance(prompts, dict) else [_prompt_list(p, f"the prompt of class {i}")[0] for i, p in enumerate(prompts)]
+        with _about(file): classes = list(prompts) if isinstance(prompts, dict) else [_prompt_list(p, f"the prompt of class {i}")[0] for i, p in enumerate(prompts)]
     if not classes: raise ValueError(f"no class names in {given!r}: name them as --classes a,b")
     for what, x in (("the class name", classes), ("the prompt", prompts)):  # bytes of another encoding: the results and the state could not hold them
         if bad := not_utf8(x, what): raise ValueError(f"{what} {bad[1]!r} is not UTF-8 text (bytes of another encoding?), which the results cannot hold; write it in UTF-8")
     twice = next((c for i, c in enumerate(classes) if c in classes[:i]), None)
     if twice is not None: raise ValueError(f"the class {twice!r} is named twice: the classes must be distinct names")
-    return resolve_prompts(list(classes) if prompts is None else prompts, SimpleNamespace(classes=tuple(classes), class_names=tuple(classes), prompts=None))
+    with _about(file): return resolve_prompts(list(classes) if prompts is None else prompts, SimpleNamespace(classes=tuple(classes), class_names=tuple(classes), prompts=None))
 
 def read_reference_scores(path:str|os.PathLike, # a results file of an earlier run on known-ID images (its calibrated rows), or one score a line
                           settings:dict|None=None): # this stream's settings: a results file scored by a detector with others is refused

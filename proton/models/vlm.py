@@ -125,6 +125,8 @@ def read_image(path:str|os.PathLike): # an image file: PNG, JPEG, TIFF, ... or D
     if is_dicom(path):
         try: import pydicom
         except ImportError: raise ImportError(f'reading the DICOM file {path} needs pydicom: pip install "proton-ood[data]"') from None
+        if not pydicom.__version__[:1].isdigit() or int(pydicom.__version__.split(".")[0]) < 3:  # 2.x reads YCbCr colour as stored, and lacks pydicom.pixels
+            raise ImportError(f'reading the DICOM file {path} needs pydicom 3 or later, found {pydicom.__version__}: pip install "pydicom>=3"')
         try: ds = pydicom.dcmread(path)
         except Exception as e: raise ValueError(f"cannot read DICOM file {path}: {_one_line(e)}") from None
         try: return dicom_to_8_bits(ds)
@@ -267,11 +269,12 @@ def prompt_ensemble(vlm:VLM, # the model that encodes the prompts
     E = vlm.encode_text(flat)
     ends = np.cumsum([0] + [len(ps) for ps in prompts.values()])
     T = as_unit_rows(torch.stack([E[a:b].mean(0) for a, b in zip(ends, ends[1:])]), name="ensembled text embeddings")
-    pair = shared_direction(T, tol=1e-6)  # float32 rounding of one text in two places of a batch stays far below 1e-6
+    pair = shared_direction(T, tol=1e-9)  # one text in two places of a batch: 1 - cos of float32 rounding, ~1e-14; logits then differ by under 1e-4 / τ
     if pair:
         a, b = (list(prompts)[i] for i in pair)
-        raise ValueError(f"the classes {a!r} and {b!r} give one text embedding: their prompts read the same to {vlm.name}'s tokenizer (letter case, "
-                         "words it does not know, or text past its context length), so the detector could not tell them apart; word them differently")
+        raise ValueError(f"the classes {a!r} and {b!r} have text embeddings that point the same way (1 - cos = {1 - float(torch.cosine_similarity(*T[list(pair)].double(), dim=0)):.1e}), so the "
+                         f"detector could not tell them apart, as when their prompts read the same to {vlm.name}'s tokenizer (letter case, words it "
+                         "does not know, or text past its context length); word them differently")
     return T
 
 # %% ../../nbs/40_vlm.ipynb

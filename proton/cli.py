@@ -82,7 +82,10 @@ def main(argv:list|None=None): # command-line arguments; None reads sys.argv
     try:
         try:
             # every import in the try, torch's included (`import proton` loads none): a Ctrl-C while they load is one line too
-            if command is None: _parser().parse_args(argv)  # prints help or version, or the usage error, and exits
+            if command is None:
+                p = _parser()
+                p.parse_args(argv)  # prints help or version, or the usage error, and exits ...
+                p.error("give the command first, after --debug if any: proton-ood [--debug] COMMAND ...")  # ... unless it took a line with none up front ('--deb score', '-- score')
             if command == "evaluate": from proton.bench.evaluation import evaluate_main as run
             elif command == "extract": from proton.models.extract import extract_main as run
             elif command == "score": from proton.models.score import score_main as run

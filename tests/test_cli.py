@@ -279,3 +279,10 @@ def test_reproduce_names_the_plot_extra_before_any_extraction(tmp_path, missing)
     r = without([missing], "reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "report"), "--model", "open_clip:ViT-S-32/none", "--no-progress")
     assert one_line_error(r) and 'pip install "proton-ood[plot]"' in r.stderr, r.stderr
     assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("args", [["--deb", "score"], ["--", "score"], ["--debug", "--debug", "score"], ["--deb", "evaluate"]])
+def test_a_line_argparse_takes_without_a_command_up_front_is_a_usage_error_not_info(args):
+    "argparse took '--deb' for --debug and '--' as the end of options: main found no command at argv[0] and ran `info score`, which said 'No such file or directory: score'."
+    r = run(*args)
+    assert r.returncode == 2 and "give the command first" in r.stderr and "Traceback" not in r.stderr and "No such file" not in r.stderr, r.stderr

@@ -1097,3 +1097,38 @@ def test_a_class_name_that_is_not_utf8_on_the_command_line_is_one_line_and_write
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 1 and err.count("\n") == 1 and "not UTF-8 text" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+@pytest.mark.parametrize("given", [dict(checkpoint="/does/not/exist"), dict(tokenizer="vocab"), dict(device="cuda:3")])
+def test_options_of_a_model_are_refused_for_a_cache_before_any_file(tmp_path, given):
+    "A cache was scored with --checkpoint (even a missing one, recorded with the digest of no bytes) or --device accepted and ignored; the next run without it was refused."
+    source = cache_file(tmp_path / "c.npz", n=20)
+    with pytest.raises(ValueError, match="an embedding cache brings its own embeddings and classes: give no"):
+        score_stream(source, tmp_path / "r.csv", progress=False, **given)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+
+
+def test_the_status_says_the_bank_fills_while_a_reference_threshold_waits(tmp_path):
+    "With --reference, θ exists from the first image: the summary said 'monitoring: images scoring above θ are flagged' while every row said 'bank filling' and none was flagged."
+    from proton.models.score import stream_status
+    (tmp_path / "ref.txt").write_text("0.1\n0.2\n")
+    run(cache_file(tmp_path / "c.npz", n=6), tmp_path / "r.csv", reference=tmp_path / "ref.txt")
+    assert stream_status(tmp_path / "r.csv").startswith("bank filling: "), stream_status(tmp_path / "r.csv")
+    run(cache_file(tmp_path / "c.npz"), tmp_path / "r.csv", reference=tmp_path / "ref.txt")
+    assert stream_status(tmp_path / "r.csv").startswith("monitoring: images scoring above θ = 0.2 are flagged (θ from the reference scores)")
+
+
+@pytest.mark.parametrize("name", ["r.csv/", "r.parquet/"])
+def test_a_results_name_ending_in_a_slash_names_a_folder_and_is_refused(tmp_path, name):
+    "Path() drops a trailing slash: --out results.csv/ (a folder meant) wrote results.csv, its lock and its state, silently."
+    source = cache_file(tmp_path / "c.npz", n=20)
+    with pytest.raises(ValueError, match="names a folder"): score_stream(source, str(tmp_path) + "/" + name, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+
+
+@pytest.mark.parametrize("name", ["typo.npz", "missing_folder", "list.txt"])
+def test_a_source_that_does_not_exist_is_named_not_asked_for_a_model(tmp_path, name):
+    "A cache path with a typo was not a cache, so the error asked for --model."
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no embedding cache, image folder or file list at {tmp_path / name}")):
+        score_stream(tmp_path / name, tmp_path / "r.csv", progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -140,6 +140,7 @@ def csv_text(rows:list): # lists of strings
 class Results:
     "The results file (CSV, or Parquet with pyarrow) and the monitor state beside it, committed together one chunk at a time."
     def __init__(self, out:str|os.PathLike): # results file: .csv, or .parquet
+        if os.fspath(out).endswith(("/", os.sep)): raise ValueError(f"the results file {os.fspath(out)!r} names a folder: name a .csv or .parquet file")  # Path() would drop the slash
         self.out = Path(out)
         self.parquet, self.saved, self.digest = self.out.suffix.lower() == ".parquet", None, None
         if self.parquet:
@@ -372,10 +373,12 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
     chunk_size, batch_size, workers = int(chunk_size), int(batch_size), int(workers)
     threshold, drift = WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # a new stream's; built here, their checks come before a lock or a file
     results, source = Results(out), Path(source)
+    if not source.exists(): raise FileNotFoundError(f"no embedding cache, image folder or file list at {source}")  # not 'needs a model' for a cache's typo
     cache = _is_cache(source)
     if cache:
         from proton.bench.cache import EmbeddingCache
-        if vlm is not None or classes is not None or prompts is not None: raise ValueError("an embedding cache brings its own embeddings and classes: give no model, classes or prompts")
+        given = [k for k, v in dict(model=vlm, checkpoint=checkpoint, tokenizer=tokenizer, device=device, classes=classes, prompts=prompts).items() if v is not None]
+        if given: raise ValueError(f"an embedding cache brings its own embeddings and classes: give no {', '.join(given)}")
         c = EmbeddingCache.load(source)
         if order not in (None, "list", "name"): raise ValueError(f"a cache is scored in its own order ('list') or by name, not {order!r}")
         names = list(c.source) if c.source is not None else [f"{source.name}#{i}" for i in range(len(c))]
@@ -521,12 +524,13 @@ def stream_status(out:str|os.PathLike): # the results file of `score_stream`
     saved = torch_load_safely(Results(out).state_path, "a scoring state")
     monitor, names = Monitor.from_state_dict(saved["monitor"]), saved["settings"]["classes"]
     det, thr = monitor.detector, monitor.threshold
+    if not det.calibrated:  # no image is flagged before calibration, whether θ came from a reference or not
+        held = ", ".join(f"{c} holds {k}" for c, k in zip(names, det.bank.counts.tolist()))
+        return f"bank filling: {held} of the {det.config.k_min} confident images each class needs; no image is flagged yet"
     if thr.theta is not None:
         origin = "the reference scores" if thr.source == "reference" else f"the warm-up of {thr.warmup} images"
         return f"monitoring: images scoring above θ = {thr.theta:.4g} are flagged (θ from {origin})"
-    if det.calibrated: return f"warm-up: {len(thr.seen)} of the {thr.warmup} calibrated images the threshold is read from; no image is flagged yet"
-    held = ", ".join(f"{c} holds {k}" for c, k in zip(names, det.bank.counts.tolist()))
-    return f"bank filling: {held} of the {det.config.k_min} confident images each class needs; no image is flagged yet"
+    return f"warm-up: {len(thr.seen)} of the {thr.warmup} calibrated images the threshold is read from; no image is flagged yet"
 
 def score_main(argv:list|None=None): # the arguments after `score`; None: sys.argv[2:]
     "`proton-ood score`: score a folder, list or cache as one stream, appending to its results; returns the exit code."

@@ -500,3 +500,13 @@ def test_command_refuses_an_out_that_names_a_folder(cache, tmp_path, monkeypatch
     assert f"--out {out} names a folder" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.npz", "sub", "sub.csv"]
 
+
+def test_a_refused_run_leaves_no_new_folder(cache, tmp_path, capsys):
+    "The check of the outputs made --out's folders before the caches loaded; a cache that then failed left new/sub behind, empty."
+    (tmp_path / "bad.npz").write_text("hi")
+    assert evaluate_main([str(tmp_path / "bad.npz"), "--out", str(tmp_path / "new" / "sub" / "r.csv"), "--no-progress"]) == 1
+    assert "not a .npz archive" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    path = cache.save(tmp_path / "c.npz")  # a run that goes ahead makes them
+    assert evaluate_main([str(path), "--out", str(tmp_path / "new" / "sub" / "r.csv"), "--permutations", "1", "--no-progress"]) == 0
+    assert sorted(p.name for p in (tmp_path / "new" / "sub").iterdir()) == ["r.csv", "r_protocol.json"]

@@ -564,6 +564,7 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
                   else [(f"simulated:{args.simulated}", simulated_cache(args.simulated))])
         _check_distinct([(path, c.content_hash()) for path, c in caches], "content")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # only now that the caches have loaded: a refused run leaves no folder
     except (ValueError, OSError) as e:
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)
         return 1

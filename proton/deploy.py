@@ -39,7 +39,7 @@ def replace_atomically(path, # destination; an existing file is replaced only on
                        write): # called with the temporary file, open for writing bytes, to fill it
     "Write `path` through `write`: a temporary file beside it, fsync, rename, so a crash leaves the old file or the new one whole; a symbolic link stays one, its target replaced."
     given, path = Path(path), Path(path).resolve()  # the file a link points to: the rename replaces it, not the link
-    if not path.parent.is_dir():  # `open` would name the hidden temporary file, not the destination; no folder is made here (`check_writable` makes one)
+    if not path.parent.is_dir():  # `open` would name the hidden temporary file, not the destination; no folder is made here (the command makes it)
         raise (NotADirectoryError(f"cannot write {given}: {path.parent} is not a folder") if path.parent.exists()
                else FileNotFoundError(f"cannot write {given}: folder {path.parent} does not exist"))
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
@@ -131,12 +131,13 @@ def same_file(a, # a path, existing or not
     return a == b or (a.exists() and b.exists() and os.path.samefile(a, b))
 
 def check_writable(path): # a file to be written
-    "Raise `OSError` unless a file can be written at `path`, creating its folder if need be."
+    "Raise `OSError` unless a file can be written at `path`, trying the nearest folder that exists; no folder is made."
     path = Path(path)
     try:
         if path.is_dir(): raise IsADirectoryError(f"{path} is a folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent): pass
+        folder = next(p for p in path.parents if os.path.lexists(p))  # the missing folders below it are made there, by the command, later
+        if not folder.is_dir(): raise NotADirectoryError(f"{folder} is not a folder")
+        with tempfile.NamedTemporaryFile(dir=folder): pass
     except OSError as e: raise OSError(f"cannot write {path}: {e.strerror or e}") from None
 
 # %% ../nbs/50_deploy.ipynb

@@ -471,3 +471,42 @@ def test_a_row_is_recreated_by_the_streams_chapter_instruction(cache):
     stream = make_stream(cache, "covariate", rho=0.7, seed=int(row.seed), sample_seed=2)
     s = method_scores("proton", cache, stream, None)
     assert ood_metrics(s[~stream.is_ood], s[stream.is_ood])["auroc"] == row.auroc
+
+
+@pytest.mark.parametrize("out", ["r.parquet", "r", "r.txt", "r.csv.gz"])
+def test_command_refuses_an_out_that_is_no_csv_file(cache, tmp_path, capsys, out):
+    "`--out r.parquet` wrote CSV text into r.parquet, which `pd.read_parquet` then failed on: evaluate writes only CSV."
+    path = cache.save(tmp_path / "c.npz")
+    assert evaluate_main([str(path), "--out", str(tmp_path / out), "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / out} must end in .csv" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
+
+
+def test_command_takes_a_csv_suffix_in_capitals(cache, tmp_path):
+    path = cache.save(tmp_path / "c.npz")
+    assert evaluate_main([str(path), "--out", str(tmp_path / "R.CSV"), "--permutations", "1", "--no-progress"]) == 0
+    assert len(pd.read_csv(tmp_path / "R.CSV")) > 0
+
+
+@pytest.mark.parametrize("out", [".", "..", "sub", "sub/.", "sub/..", "sub.csv", "new/"])
+def test_command_refuses_an_out_that_names_a_folder(cache, tmp_path, monkeypatch, capsys, out):
+    "`--out .` failed with Python's \"PosixPath('.') has an empty name\" instead of the refusal of a folder."
+    path = cache.save(tmp_path / "c.npz")
+    (tmp_path / "sub").mkdir(); (tmp_path / "sub.csv").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert evaluate_main([str(path), "--out", out, "--permutations", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {out} names a folder" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["c.npz", "sub", "sub.csv"]
+
+
+def test_a_refused_run_leaves_no_new_folder(cache, tmp_path, capsys):
+    "The check of the outputs made --out's folders before the caches loaded; a cache that then failed left new/sub behind, empty."
+    (tmp_path / "bad.npz").write_text("hi")
+    assert evaluate_main([str(tmp_path / "bad.npz"), "--out", str(tmp_path / "new" / "sub" / "r.csv"), "--no-progress"]) == 1
+    assert "not a .npz archive" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    path = cache.save(tmp_path / "c.npz")  # a run that goes ahead makes them
+    assert evaluate_main([str(path), "--out", str(tmp_path / "new" / "sub" / "r.csv"), "--permutations", "1", "--no-progress"]) == 0
+    assert sorted(p.name for p in (tmp_path / "new" / "sub").iterdir()) == ["r.csv", "r_protocol.json"]

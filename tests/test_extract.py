@@ -903,3 +903,12 @@ def test_a_source_date_epoch_out_of_range_is_named_as_such(monkeypatch, epoch):
     for edge in (-62135596800, 253402300799): monkeypatch.setenv("SOURCE_DATE_EPOCH", str(edge)); ex._created()  # the first and last seconds are fine
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "x" * 5000)
     with pytest.raises(ValueError, match=r"^SOURCE_DATE_EPOCH must be an integer number of seconds, got 'x{20}\.\.\.'$"): ex._created()
+
+
+def test_a_model_that_fails_to_load_leaves_no_new_folder(data, tmp_path, monkeypatch, capsys):
+    "Checking --out made its folders before the model loaded; a model that then failed to load left new/sub behind, empty."
+    def fail(*a, **k): raise OSError("no weights at w.pt")
+    monkeypatch.setattr(ex, "load_vlm", fail)
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "new" / "sub" / "c.npz"), "--no-progress"]) == 1
+    assert "no weights at w.pt" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

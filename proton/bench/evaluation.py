@@ -490,9 +490,10 @@ def _paths(name:str, out:Path):
     return {None: out if name == "main_table" else out.with_name(f"{out.stem}_{name}.csv")}
 
 def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
-    "Raise unless every file the run will write can be written and none of them is a cache it reads."
+    "Raise unless `out` names a .csv file, not a folder, and every file the run will write can be written and none of them is a cache it reads."
     if not out: raise ValueError("--out is empty: give the file of the main table, such as results.csv")
-    if out.endswith(("/", os.sep)): raise ValueError(f"--out {out} names a folder; give the file of the main table, such as {out}results.csv")
+    if out.endswith(("/", os.sep)) or os.path.basename(out) in (".", "..") or Path(out).is_dir():
+        raise ValueError(f"--out {out} names a folder; give the file of the main table, such as {os.path.join(out, 'results.csv')}")
     stem = Path(out)
     files = [p for n in names if simulated_run or EXPERIMENTS[n].takes != "world" for p in _paths(n, stem).values()]
     for path in files + [stem.with_name(f"{stem.stem}_protocol.json")]:
@@ -500,6 +501,7 @@ def _check_outputs(out:str, names:list, caches:list, simulated_run:bool):
         if read and path == stem: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads; choose another file for the table")
         if read: raise ValueError(f"--out {out} would overwrite the cache {read[0]} that it reads, writing {path.name}; choose another --out")
         check_writable(path)
+    if stem.suffix.lower() != ".csv": raise ValueError(f"--out {out} must end in .csv: the tables are written as CSV; give a file such as {stem.with_suffix('.csv')}")
 
 def _write_csv(df, path:Path): # a table; its file
     "Write `df` to `path` whole or not at all: a failed write keeps the old file, and a hard link to `path` keeps its content."
@@ -562,6 +564,7 @@ def evaluate_main(argv:list|None=None): # the arguments after `evaluate`; None: 
         caches = ([(path, EmbeddingCache.load(path)) for path in args.caches] if args.caches
                   else [(f"simulated:{args.simulated}", simulated_cache(args.simulated))])
         _check_distinct([(path, c.content_hash()) for path, c in caches], "content")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # only now that the caches have loaded: a refused run leaves no folder
     except (ValueError, OSError) as e:
         print(f"proton-ood evaluate: error: {e}", file=sys.stderr)
         return 1

@@ -165,14 +165,15 @@ def fit_knn(id_embeddings, # (B, d) labelled held-out ID image embeddings; label
 # %% ../../nbs/22_baselines.ipynb
 def _knn_score(self:KNNScorer,
                image_embeddings): # (N, d) image embeddings to score
-    "(N,) distances to the k-th nearest bank embedding, higher = more OOD."
-    E = as_unit_rows(image_embeddings, dim=self.bank.shape[1], dtype=self.bank.dtype, device=self.bank.device,
-                     name="image embeddings")
-    out = [E.new_zeros(0)]
-    for chunk in E.split(max(1, 2**22 // len(self.bank))):  # bounds the (chunk, B) similarity matrix
-        nearest = (chunk @ self.bank.T).topk(self.k, dim=1).indices
-        out.append((chunk[:, None] - self.bank[nearest]).norm(dim=-1).amax(1))
-    return torch.cat(out)
+    "(N,) distances to the k-th nearest bank embedding, higher = more OOD, in the images' dtype (computed in the wider of theirs and the bank's)."
+    out_dtype = compute_dtype(image_embeddings)
+    dtype = torch.promote_types(self.bank.dtype, out_dtype)
+    E = as_unit_rows(image_embeddings, dim=self.bank.shape[1], dtype=dtype, device=self.bank.device, name="image embeddings")
+    bank, out = self.bank.to(dtype), [E.new_zeros(0)]
+    for chunk in E.split(max(1, 2**22 // len(bank))):  # bounds the (chunk, B) similarity matrix
+        nearest = (chunk @ bank.T).topk(self.k, dim=1).indices
+        out.append((chunk[:, None] - bank[nearest]).norm(dim=-1).amax(1))
+    return torch.cat(out).to(out_dtype)
 add_methods(KNNScorer, score=_knn_score)
 
 # %% ../../nbs/22_baselines.ipynb

@@ -903,3 +903,35 @@ def test_a_source_date_epoch_out_of_range_is_named_as_such(monkeypatch, epoch):
     for edge in (-62135596800, 253402300799): monkeypatch.setenv("SOURCE_DATE_EPOCH", str(edge)); ex._created()  # the first and last seconds are fine
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "x" * 5000)
     with pytest.raises(ValueError, match=r"^SOURCE_DATE_EPOCH must be an integer number of seconds, got 'x{20}\.\.\.'$"): ex._created()
+
+
+# --- torchrun: failures, thread counts, batch sizes ------------------------------------------------------------------
+
+def torchrun(args, tmp_path, **env):
+    "`proton-ood extract ARGS` under torchrun with two gloo processes on the CPU: the finished process."
+    command = Path(sys.executable).with_name("proton-ood")  # the console script, which torchrun runs as a Python file
+    return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(command), "extract",
+                           "--model", MODEL, "--workers", "0", "--device", "cpu", "--no-progress", *args],
+                          env=dict(os.environ, SOURCE_DATE_EPOCH=EPOCH, OMP_NUM_THREADS="1", TQDM_DISABLE="1", **env),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def errors_of(run):
+    "The lines `proton-ood extract` printed as errors."
+    return [l for l in run.stderr.splitlines() if l.startswith("proton-ood extract: error:")]
+
+
+def test_an_unreadable_image_on_one_rank_stops_every_rank_with_its_one_line(tmp_path):
+    """--strict with the unreadable image in rank 1's shard: rank 0 sat in the barrier, then printed gloo's 'Connection closed by peer'
+    and was killed by torchrun, sometimes before it removed <out>.lock. Every rank now raises the failed rank's error."""
+    root = make_prepared(tmp_path / "d")
+    bad = root / read_prepared(root).files[2]  # shard 1 of 2-image shards: rank 1's
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    out = tmp_path / "c.npz"
+    run = torchrun(["--data", str(root), "--out", str(out), "--batch-size", "1", "--shard-size", "2", "--strict"], tmp_path)
+    assert run.returncode == 1, run.stderr[-2000:]
+    lines = errors_of(run)
+    assert lines and all(l.startswith("proton-ood extract: error: cannot read image ") and str(bad) in l for l in lines), run.stderr[-3000:]
+    assert "Connection closed" not in run.stderr and "exitcode  : -15" not in run.stderr
+    assert not Path(f"{out}.lock").exists() and not out.exists()
+    assert shard_path(Path(f"{out}.shards"), 0).exists()  # what rank 0 finished is kept for the next run

@@ -22,6 +22,7 @@ import json
 import math
 import numbers
 import os
+import pickle
 import queue
 import shutil
 import sys
@@ -669,29 +670,53 @@ def _shards_to_compute(shards:Path, ranges:list, header):
 
 # %% ../../nbs/43_extract.ipynb
 def _distributed():
-    "(rank, world size, the process group's barrier and broadcast) under torch.distributed, or a single process's stand-ins."
+    "(rank, world size, the process group's barrier, broadcast and gather) under torch.distributed, or a single process's stand-ins."
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()): return 0, 1, lambda: None, lambda x: x
+    if not (dist.is_available() and dist.is_initialized()): return 0, 1, lambda: None, lambda x: x, lambda x: [x]
     def broadcast(x):
         box = [x]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast
+    def gather(x):
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, x)
+        return every
+    return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast, gather
+
+def _every_rank(error:Exception): # an error that every rank raises at the same point
+    "`error`, marked as raised by every rank together: one line says it for all, and no rank ends before the others are done with it."
+    error.every_rank = True
+    return error
+
+def _portable(error:Exception): # a rank's error
+    "`error` as another rank can receive it (pickled), or a `RuntimeError` with its line where it cannot be."
+    try: return pickle.loads(pickle.dumps(error))
+    except Exception: return RuntimeError(f"{type(error).__name__}: {error}")
+
+def _together(error, # this rank's error, or None
+              gather): # the process group's gather, from `_distributed`
+    "A barrier that shares failures: once every rank is here, each raises its own error, or else the first failed rank's; nothing if none failed."
+    failed = [e for e in gather(None if error is None else _portable(error)) if e is not None]
+    if failed: raise _every_rank(failed[0] if error is None else error)
 
 @contextlib.contextmanager
 def _writing(out, # the cache file the run writes, or None
-             rank:int, broadcast): # this process's rank and the process group's broadcast, from `_distributed`
+             rank:int, broadcast, barrier): # this process's rank and the process group's broadcast and barrier, from `_distributed`
     "Hold `<out>.lock` (on rank 0) while a run writes `out` and its shards; every rank stops at once if another run holds it."
-    with contextlib.ExitStack() as held:
-        busy = None
-        if out is not None and rank == 0:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
-            except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
-            else: remove_temporaries(out)  # a killed run's partial cache
-        busy = broadcast(busy)
-        if busy: raise OSError(busy)
-        yield
+    try:
+        with contextlib.ExitStack() as held:
+            busy = None
+            if out is not None and rank == 0:
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
+                except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
+                else: remove_temporaries(out)  # a killed run's partial cache
+            busy = broadcast(busy)
+            if busy: raise _every_rank(OSError(busy))
+            yield
+    except Exception as e:
+        if getattr(e, "every_rank", False): barrier()  # the lock is gone before any rank ends: torchrun stops the others when one ends in error
+        raise
 
 # %% ../../nbs/43_extract.ipynb
 def _created():
@@ -809,8 +834,8 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
-    rank, world, barrier, broadcast = _distributed()
-    with _writing(out, rank, broadcast):  # one run at a time writes `out`
+    rank, world, barrier, broadcast, gather = _distributed()
+    with _writing(out, rank, broadcast, barrier):  # one run at a time writes `out`
         scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None and rank == 0 else None  # one, shared by every rank
         shards = Path(f"{out}.shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
         try:
@@ -819,11 +844,14 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
                 shards.mkdir(parents=True, exist_ok=True)
             todo = broadcast(_shards_to_compute(shards, ranges, header) if rank == 0 else None)
             mine = todo[rank::world]  # this process's share of the shards
-            with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
-                      desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
-                if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
-                                       default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
-            barrier()  # every shard is written
+            failed = None
+            try:
+                with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
+                          desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
+                    if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
+                                           default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
+            except Exception as e: failed = e
+            _together(failed, gather)  # every shard is written, or every rank raises the first failed rank's error
             parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
             barrier()  # every rank has read them
         finally:

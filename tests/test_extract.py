@@ -935,3 +935,19 @@ def test_an_unreadable_image_on_one_rank_stops_every_rank_with_its_one_line(tmp_
     assert "Connection closed" not in run.stderr and "exitcode  : -15" not in run.stderr
     assert not Path(f"{out}.lock").exists() and not out.exists()
     assert shard_path(Path(f"{out}.shards"), 0).exists()  # what rank 0 finished is kept for the next run
+
+
+def test_shards_of_another_cpu_thread_count_are_not_reused(clip, data, tmp_path, counted):
+    """A CPU's float32 embeddings depend on its thread count, and torchrun sets OMP_NUM_THREADS=1: a torchrun run resumed in one
+    process (or the other way round) mixed the two silently. The thread count is now part of the run fingerprint and of the metadata."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = extract(clip, data, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+        torch.set_num_threads(2)
+        counted.clear()
+        with pytest.warns(UserWarning, match=r"recomputing shard \d+: .* belongs to another run"):
+            two = extract(clip, data, out=tmp_path / "c.npz", **RUN)
+    finally: torch.set_num_threads(threads)
+    assert len(counted) == N // 2
+    assert (one.metadata["cpu_threads"], two.metadata["cpu_threads"]) == (1, 2)

@@ -545,6 +545,10 @@ def images_fingerprint(folder:PreparedFolder): # a prepared folder
     sizes = [(f, p.stat().st_size if p.exists() else None) for f in folder.files for p in [folder.root / f]]
     return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
 
+def _cpu_threads(vlm:VLM): # the model
+    "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1); None elsewhere."
+    return torch.get_num_threads() if vlm.device.type == "cpu" else None
+
 def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0):
     "SHA-256 of everything that determines the numbers in the shards."
     share = worker_fraction(worker_share)
@@ -552,7 +556,7 @@ def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None,
     root = str(folder.root)
     stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [os.stat(os.path.join(root, f))]]
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, weights_sha256=weights_sha256(vlm), dim=vlm.dim, image_size=list(vlm.image_size),
-               preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, amp=amp,
+               preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp=amp,
                decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local,
                local_features=vlm.local_features if local else None, shard_size=shard_size, library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
@@ -742,7 +746,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
     return dict(model=vlm.name, backend=type(vlm).__qualname__, checkpoint=None if checkpoint is None else Path(checkpoint).name,
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
-                device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local, local_features=vlm.local_features if local else None,
+                device=str(vlm.device), cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
                 n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,

@@ -951,3 +951,17 @@ def test_shards_of_another_cpu_thread_count_are_not_reused(clip, data, tmp_path,
     finally: torch.set_num_threads(threads)
     assert len(counted) == N // 2
     assert (one.metadata["cpu_threads"], two.metadata["cpu_threads"]) == (1, 2)
+
+
+def test_shards_of_another_batch_size_are_not_reused(clip, data, tmp_path, counted, capsys, monkeypatch):
+    """Embeddings depend on the batch size in their last bits, and shards of another batch size were reused silently: a run resumed
+    with a smaller batch (as the out-of-memory advice said) gave a cache that matched no uninterrupted run. They are recomputed now."""
+    one = extract(clip, data, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+    counted.clear()
+    with pytest.warns(UserWarning, match=r"recomputing shard \d+: .* belongs to another run"):
+        two = extract(clip, data, out=tmp_path / "c.npz", **dict(RUN, batch_size=1))
+    assert len(counted) == N // 2 and (one.metadata["batch_size"], two.metadata["batch_size"]) == (2, 1)
+    def oom(*args, **kwargs): raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(ex, "extract", oom)
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--batch-size", "512"]) == 1
+    assert "reused" not in capsys.readouterr().err  # the advice no longer promises to keep the finished shards

@@ -549,7 +549,7 @@ def _cpu_threads(vlm:VLM): # the model
     "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1); None elsewhere."
     return torch.get_num_threads() if vlm.device.type == "cpu" else None
 
-def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0):
+def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0, batch_size:int=64):
     "SHA-256 of everything that determines the numbers in the shards."
     share = worker_fraction(worker_share)
     from proton import __version__
@@ -558,7 +558,7 @@ def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None,
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, weights_sha256=weights_sha256(vlm), dim=vlm.dim, image_size=list(vlm.image_size),
                preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp=amp,
                decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local,
-               local_features=vlm.local_features if local else None, shard_size=shard_size, library_version=__version__, files=stats)
+               local_features=vlm.local_features if local else None, shard_size=shard_size, batch_size=batch_size, library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
@@ -739,14 +739,14 @@ def _created():
         except (OverflowError, OSError, ValueError): raise far from None  # past what datetime (or the platform's time_t) holds
     return when.isoformat(timespec="seconds")
 
-def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, checkpoint, checkpoint_sha256, local:bool, amp:bool):
+def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, checkpoint, checkpoint_sha256, local:bool, amp:bool, batch_size:int):
     "The provenance that an extracted cache records."
     from proton import __version__
     counts = lambda xs: {x: xs.count(x) for x in dict.fromkeys(xs)}
     return dict(model=vlm.name, backend=type(vlm).__qualname__, checkpoint=None if checkpoint is None else Path(checkpoint).name,
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
-                device=str(vlm.device), cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", local=local, local_features=vlm.local_features if local else None,
+                device=str(vlm.device), cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
                 n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
@@ -835,7 +835,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
     checkpoint_sha256 = None if weights is None else file_sha256(weights)
-    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
+    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share, batch_size)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
     rank, world, barrier, broadcast, gather = _distributed()
@@ -870,7 +870,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         if not keep.any():
             bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
             raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {_named(folder.root / bad['file'], bad['error'])}")
-        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
+        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp, batch_size)
         metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
                          worker_share=None if on_device is None else float(share))
         E = np.concatenate([p["image_embeddings"] for p in parts])
@@ -969,7 +969,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
                 for w in caught: _say(f"proton-ood extract: warning: {w.message}", sys.stderr)
     except torch.cuda.OutOfMemoryError:
         print(f"proton-ood extract: error: the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
-              "with a smaller one: the finished shards are reused", file=sys.stderr)
+              "with a smaller one (the shards finished so far are recomputed: the batch size changes the embeddings in their last bits)", file=sys.stderr)
         return 1
     except (ValueError, OSError, ImportError) as e:
         print(f"proton-ood extract: error: {e}", file=sys.stderr)

@@ -965,3 +965,12 @@ def test_shards_of_another_batch_size_are_not_reused(clip, data, tmp_path, count
     monkeypatch.setattr(ex, "extract", oom)
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--batch-size", "512"]) == 1
     assert "reused" not in capsys.readouterr().err  # the advice no longer promises to keep the finished shards
+
+
+def test_local_features_pass_through_torchrun_under_a_name_of_their_own():
+    "torchrun's parser took `--local`, after the script, for an ambiguous prefix of its --local-ranks-filter and --local-addr, and stopped."
+    from torch.distributed.run import parse_args
+    script = [str(Path(sys.executable).with_name("proton-ood")), "extract", "--model", MODEL, "--data", "d", "--out", "c.npz"]
+    with pytest.raises(SystemExit): parse_args(["--standalone", "--nproc-per-node", "2", *script, "--local"])
+    assert parse_args(["--standalone", "--nproc-per-node", "2", *script, "--local-features"]).training_script_args[-1] == "--local-features"
+    for flag in ("--local", "--local-features"): assert ex._parser().parse_args(script[2:] + [flag]).local

@@ -912,7 +912,8 @@ def _parser():
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     p.add_argument("--workers", type=int, default=None, help="processes that decode images (default: CPUs, at most 16)")
     p.add_argument("--shard-size", type=int, default=256, help="images per shard (default 256)")
-    p.add_argument("--local", action="store_true", help="also extract local (patch) embeddings for GL-MCM")
+    p.add_argument("--local-features", "--local", dest="local", action="store_true", help="also extract local (patch) embeddings for GL-MCM "
+                   "(--local-features passes through torchrun, whose parser takes --local for a prefix of its own options)")
     p.add_argument("--amp", action="store_true", help="encode under float16 autocast: faster on a GPU, less precise (default: float32)")
     p.add_argument("--decode-on-device", action=argparse.BooleanOptionalAction, default=None, help="decode JPEG files on the GPU "
                    "(torchvision.io.decode_jpeg; default: on CUDA, when the model's preprocessing is recognised)")

@@ -947,6 +947,16 @@ def _say(text:str, # a line to print
     enc = getattr(file, "encoding", None) or "utf-8"
     print(text.encode(enc, "backslashreplace").decode(enc), file=file)
 
+def _failed(line:str, # what went wrong, in one line
+            error:Exception): # the error it says
+    "Print `line` as the command's error, on rank 0 alone where every rank has the error; the exit status, 1."
+    import torch.distributed as dist
+    grouped = dist.is_available() and dist.is_initialized()
+    shared = getattr(error, "every_rank", False) or not grouped  # before the process group, every rank checked the same arguments
+    if int(os.environ.get("RANK", "0")) == 0 or not shared: print(f"proton-ood extract: error: {line}", file=sys.stderr)
+    if shared and grouped: dist.barrier()  # no rank ends before rank 0 has spoken: torchrun stops the others once one ends in error
+    return 1
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -968,13 +978,11 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
                                 keep_shards=args.keep_shards, strict=args.strict, progress=not args.no_progress)
             finally:  # any other warning is one line on stderr, before the summary or the error's line
                 for w in caught: _say(f"proton-ood extract: warning: {w.message}", sys.stderr)
-    except torch.cuda.OutOfMemoryError:
-        print(f"proton-ood extract: error: the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
-              "with a smaller one (the shards finished so far are recomputed: the batch size changes the embeddings in their last bits)", file=sys.stderr)
-        return 1
+    except torch.cuda.OutOfMemoryError as e:
+        return _failed(f"the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
+                       "with a smaller one (the shards finished so far are recomputed: the batch size changes the embeddings in their last bits)", e)
     except (ValueError, OSError, ImportError) as e:
-        print(f"proton-ood extract: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(str(e), e)
     if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
     _say(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:

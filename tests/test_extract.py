@@ -3,6 +3,7 @@
 Every test runs the real code path offline: real image files (photographs bundled with scikit-image) in the data scripts'
 layout, decoded by DataLoader workers and encoded by an open_clip ViT-S/32 with random weights.
 """
+import contextlib
 import json
 import os
 import re
@@ -912,3 +913,88 @@ def test_a_model_that_fails_to_load_leaves_no_new_folder(data, tmp_path, monkeyp
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "new" / "sub" / "c.npz"), "--no-progress"]) == 1
     assert "no weights at w.pt" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+# --- torchrun: failures, thread counts, batch sizes ------------------------------------------------------------------
+
+def torchrun(args, tmp_path, **env):
+    "`proton-ood extract ARGS` under torchrun with two gloo processes on the CPU: the finished process."
+    command = Path(sys.executable).with_name("proton-ood")  # the console script, which torchrun runs as a Python file
+    return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(command), "extract",
+                           "--model", MODEL, "--workers", "0", "--device", "cpu", "--no-progress", *args],
+                          env=dict(os.environ, SOURCE_DATE_EPOCH=EPOCH, OMP_NUM_THREADS="1", TQDM_DISABLE="1", **env),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def errors_of(run):
+    "The lines `proton-ood extract` printed as errors."
+    return [l for l in run.stderr.splitlines() if l.startswith("proton-ood extract: error:")]
+
+
+def test_an_unreadable_image_on_one_rank_stops_every_rank_with_its_one_line(tmp_path):
+    """--strict with the unreadable image in rank 1's shard: rank 0 sat in the barrier, then printed gloo's 'Connection closed by peer'
+    and was killed by torchrun, sometimes before it removed <out>.lock. Every rank now raises the failed rank's error."""
+    root = make_prepared(tmp_path / "d")
+    bad = root / read_prepared(root).files[2]  # shard 1 of 2-image shards: rank 1's
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    out = tmp_path / "c.npz"
+    run = torchrun(["--data", str(root), "--out", str(out), "--batch-size", "1", "--shard-size", "2", "--strict"], tmp_path)
+    assert run.returncode == 1, run.stderr[-2000:]
+    lines = errors_of(run)
+    assert lines and all(l.startswith("proton-ood extract: error: cannot read image ") and str(bad) in l for l in lines), run.stderr[-3000:]
+    assert "Connection closed" not in run.stderr
+    assert not Path(f"{out}.lock").exists() and not out.exists()
+    assert shard_path(Path(f"{out}.shards"), 0).exists()  # what rank 0 finished is kept for the next run
+
+
+def test_shards_of_another_cpu_thread_count_are_not_reused(clip, data, tmp_path, counted):
+    """A CPU's float32 embeddings depend on its thread count, and torchrun sets OMP_NUM_THREADS=1: a torchrun run resumed in one
+    process (or the other way round) mixed the two silently. The thread count is now part of the run fingerprint and of the metadata."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = extract(clip, data, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+        torch.set_num_threads(2)
+        counted.clear()
+        with pytest.warns(UserWarning, match=r"recomputing shard \d+: .* belongs to another run"):
+            two = extract(clip, data, out=tmp_path / "c.npz", **RUN)
+    finally: torch.set_num_threads(threads)
+    assert len(counted) == N // 2
+    assert (one.metadata["cpu_threads"], two.metadata["cpu_threads"]) == (1, 2)
+
+
+def test_shards_of_another_batch_size_are_not_reused(clip, data, tmp_path, counted, capsys, monkeypatch):
+    """Embeddings depend on the batch size in their last bits, and shards of another batch size were reused silently: a run resumed
+    with a smaller batch (as the out-of-memory advice said) gave a cache that matched no uninterrupted run. They are recomputed now."""
+    one = extract(clip, data, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+    counted.clear()
+    with pytest.warns(UserWarning, match=r"recomputing shard \d+: .* belongs to another run"):
+        two = extract(clip, data, out=tmp_path / "c.npz", **dict(RUN, batch_size=1))
+    assert len(counted) == N // 2 and (one.metadata["batch_size"], two.metadata["batch_size"]) == (2, 1)
+    def oom(*args, **kwargs): raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(ex, "extract", oom)
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--batch-size", "512"]) == 1
+    assert "reused" not in capsys.readouterr().err  # the advice no longer promises to keep the finished shards
+
+
+def test_local_features_pass_through_torchrun_under_a_name_of_their_own():
+    "torchrun's parser took `--local`, after the script, for an ambiguous prefix of its --local-ranks-filter and --local-addr, and stopped."
+    from torch.distributed.run import parse_args
+    script = [str(Path(sys.executable).with_name("proton-ood")), "extract", "--model", MODEL, "--data", "d", "--out", "c.npz"]
+    with pytest.raises(SystemExit): parse_args(["--standalone", "--nproc-per-node", "2", *script, "--local"])
+    assert parse_args(["--standalone", "--nproc-per-node", "2", *script, "--local-features"]).training_script_args[-1] == "--local-features"
+    for flag in ("--local", "--local-features"): assert ex._parser().parse_args(script[2:] + [flag]).local
+
+
+@pytest.mark.parametrize("case", ["before the process group", "another run holds the lock", "an unreadable image on rank 1"])
+def test_under_torchrun_an_error_every_rank_shares_is_printed_once(tmp_path, case):
+    "Success was reported by rank 0 alone, but every error once per rank; rank 0 alone says one that every rank has, and every rank exits 1."
+    from proton.deploy import hold_lock
+    root, out = make_prepared(tmp_path / "d"), tmp_path / "c.npz"
+    args = ["--data", str(root), "--out", str(out), "--batch-size", "1", "--shard-size", "2", "--strict"]
+    if case == "an unreadable image on rank 1": (root / read_prepared(root).files[2]).write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    with hold_lock(f"{out}.lock") if case == "another run holds the lock" else contextlib.nullcontext():
+        run = torchrun(args + (["--prompts", "a,b,c"] if case == "before the process group" else []), tmp_path)
+    said = {"before the process group": "got 3 prompts for 2 classes", "another run holds the lock": "another extract is writing",
+            "an unreadable image on rank 1": "cannot read image"}[case]
+    assert run.returncode == 1 and len(errors_of(run)) == 1 and said in errors_of(run)[0], run.stderr[-3000:]  # rank 0 spoke before torchrun stopped it

@@ -22,6 +22,7 @@ import json
 import math
 import numbers
 import os
+import pickle
 import queue
 import shutil
 import sys
@@ -544,16 +545,20 @@ def images_fingerprint(folder:PreparedFolder): # a prepared folder
     sizes = [(f, p.stat().st_size if p.exists() else None) for f in folder.files for p in [folder.root / f]]
     return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
 
-def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0):
+def _cpu_threads(vlm:VLM): # the model
+    "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1); None elsewhere."
+    return torch.get_num_threads() if vlm.device.type == "cpu" else None
+
+def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0, batch_size:int=64):
     "SHA-256 of everything that determines the numbers in the shards."
     share = worker_fraction(worker_share)
     from proton import __version__
     root = str(folder.root)
     stats = [(f, st.st_size, st.st_mtime_ns) for f in folder.files for st in [os.stat(os.path.join(root, f))]]
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, weights_sha256=weights_sha256(vlm), dim=vlm.dim, image_size=list(vlm.image_size),
-               preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, amp=amp,
+               preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp=amp,
                decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local,
-               local_features=vlm.local_features if local else None, shard_size=shard_size, library_version=__version__, files=stats)
+               local_features=vlm.local_features if local else None, shard_size=shard_size, batch_size=batch_size, library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
@@ -669,29 +674,53 @@ def _shards_to_compute(shards:Path, ranges:list, header):
 
 # %% ../../nbs/43_extract.ipynb
 def _distributed():
-    "(rank, world size, the process group's barrier and broadcast) under torch.distributed, or a single process's stand-ins."
+    "(rank, world size, the process group's barrier, broadcast and gather) under torch.distributed, or a single process's stand-ins."
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()): return 0, 1, lambda: None, lambda x: x
+    if not (dist.is_available() and dist.is_initialized()): return 0, 1, lambda: None, lambda x: x, lambda x: [x]
     def broadcast(x):
         box = [x]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast
+    def gather(x):
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, x)
+        return every
+    return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast, gather
+
+def _every_rank(error:Exception): # an error that every rank raises at the same point
+    "`error`, marked as raised by every rank together: one line says it for all, and no rank ends before the others are done with it."
+    error.every_rank = True
+    return error
+
+def _portable(error:Exception): # a rank's error
+    "`error` as another rank can receive it (pickled), or a `RuntimeError` with its line where it cannot be."
+    try: return pickle.loads(pickle.dumps(error))
+    except Exception: return RuntimeError(f"{type(error).__name__}: {error}")
+
+def _together(error, # this rank's error, or None
+              gather): # the process group's gather, from `_distributed`
+    "A barrier that shares failures: once every rank is here, each raises its own error, or else the first failed rank's; nothing if none failed."
+    failed = [e for e in gather(None if error is None else _portable(error)) if e is not None]
+    if failed: raise _every_rank(failed[0] if error is None else error)
 
 @contextlib.contextmanager
 def _writing(out, # the cache file the run writes, or None
-             rank:int, broadcast): # this process's rank and the process group's broadcast, from `_distributed`
+             rank:int, broadcast, barrier): # this process's rank and the process group's broadcast and barrier, from `_distributed`
     "Hold `<out>.lock` (on rank 0) while a run writes `out` and its shards; every rank stops at once if another run holds it."
-    with contextlib.ExitStack() as held:
-        busy = None
-        if out is not None and rank == 0:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
-            except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
-            else: remove_temporaries(out)  # a killed run's partial cache
-        busy = broadcast(busy)
-        if busy: raise OSError(busy)
-        yield
+    try:
+        with contextlib.ExitStack() as held:
+            busy = None
+            if out is not None and rank == 0:
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
+                except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
+                else: remove_temporaries(out)  # a killed run's partial cache
+            busy = broadcast(busy)
+            if busy: raise _every_rank(OSError(busy))
+            yield
+    except Exception as e:
+        if getattr(e, "every_rank", False): barrier()  # the lock is gone before any rank ends: torchrun stops the others when one ends in error
+        raise
 
 # %% ../../nbs/43_extract.ipynb
 def _created():
@@ -710,14 +739,14 @@ def _created():
         except (OverflowError, OSError, ValueError): raise far from None  # past what datetime (or the platform's time_t) holds
     return when.isoformat(timespec="seconds")
 
-def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, checkpoint, checkpoint_sha256, local:bool, amp:bool):
+def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, checkpoint, checkpoint_sha256, local:bool, amp:bool, batch_size:int):
     "The provenance that an extracted cache records."
     from proton import __version__
     counts = lambda xs: {x: xs.count(x) for x in dict.fromkeys(xs)}
     return dict(model=vlm.name, backend=type(vlm).__qualname__, checkpoint=None if checkpoint is None else Path(checkpoint).name,
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
-                device=str(vlm.device), amp="float16 autocast" if amp else "none", local=local, local_features=vlm.local_features if local else None,
+                device=str(vlm.device), cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
                 n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
@@ -806,11 +835,11 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
     checkpoint_sha256 = None if weights is None else file_sha256(weights)
-    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share)
+    run = _run_fingerprint(vlm, folder, checkpoint_sha256, local, shard_size, amp, on_device is not None, share, batch_size)
     ranges = shard_ranges(len(folder), shard_size)
     header = lambda k: dict(format=SHARD_FORMAT, run=run, index=k, start=ranges[k][0], stop=ranges[k][1])
-    rank, world, barrier, broadcast = _distributed()
-    with _writing(out, rank, broadcast):  # one run at a time writes `out`
+    rank, world, barrier, broadcast, gather = _distributed()
+    with _writing(out, rank, broadcast, barrier):  # one run at a time writes `out`
         scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None and rank == 0 else None  # one, shared by every rank
         shards = Path(f"{out}.shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
         try:
@@ -819,11 +848,14 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
                 shards.mkdir(parents=True, exist_ok=True)
             todo = broadcast(_shards_to_compute(shards, ranges, header) if rank == 0 else None)
             mine = todo[rank::world]  # this process's share of the shards
-            with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
-                      desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
-                if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
-                                       default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
-            barrier()  # every shard is written
+            failed = None
+            try:
+                with tqdm(total=len(folder), initial=len(folder) - sum(ranges[k][1] - ranges[k][0] for k in todo), unit="img",
+                          desc=f"extract {vlm.name}", disable=not progress or rank > 0) as bar:
+                    if mine: _embed_shards(vlm, folder, ranges, mine, shards, header, batch_size,
+                                           default_workers() if num_workers is None else num_workers, local, strict, amp, on_device, share, bar)
+            except Exception as e: failed = e
+            _together(failed, gather)  # every shard is written, or every rank raises the first failed rank's error
             parts = [read_shard(shard_path(shards, k), header(k)) for k in range(len(ranges))]
             barrier()  # every rank has read them
         finally:
@@ -838,7 +870,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
         if not keep.any():
             bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
             raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {_named(folder.root / bad['file'], bad['error'])}")
-        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp)
+        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp, batch_size)
         metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
                          worker_share=None if on_device is None else float(share))
         E = np.concatenate([p["image_embeddings"] for p in parts])
@@ -880,7 +912,8 @@ def _parser():
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     p.add_argument("--workers", type=int, default=None, help="processes that decode images (default: CPUs, at most 16)")
     p.add_argument("--shard-size", type=int, default=256, help="images per shard (default 256)")
-    p.add_argument("--local", action="store_true", help="also extract local (patch) embeddings for GL-MCM")
+    p.add_argument("--local-features", "--local", dest="local", action="store_true", help="also extract local (patch) embeddings for GL-MCM "
+                   "(--local-features passes through torchrun, whose parser takes --local for a prefix of its own options)")
     p.add_argument("--amp", action="store_true", help="encode under float16 autocast: faster on a GPU, less precise (default: float32)")
     p.add_argument("--decode-on-device", action=argparse.BooleanOptionalAction, default=None, help="decode JPEG files on the GPU "
                    "(torchvision.io.decode_jpeg; default: on CUDA, when the model's preprocessing is recognised)")
@@ -914,6 +947,16 @@ def _say(text:str, # a line to print
     enc = getattr(file, "encoding", None) or "utf-8"
     print(text.encode(enc, "backslashreplace").decode(enc), file=file)
 
+def _failed(line:str, # what went wrong, in one line
+            error:Exception): # the error it says
+    "Print `line` as the command's error, on rank 0 alone where every rank has the error; the exit status, 1."
+    import torch.distributed as dist
+    grouped = dist.is_available() and dist.is_initialized()
+    shared = getattr(error, "every_rank", False) or not grouped  # before the process group, every rank checked the same arguments
+    if int(os.environ.get("RANK", "0")) == 0 or not shared: print(f"proton-ood extract: error: {line}", file=sys.stderr)
+    if shared and grouped: dist.barrier()  # no rank ends before rank 0 has spoken: torchrun stops the others once one ends in error
+    return 1
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -935,13 +978,11 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
                                 keep_shards=args.keep_shards, strict=args.strict, progress=not args.no_progress)
             finally:  # any other warning is one line on stderr, before the summary or the error's line
                 for w in caught: _say(f"proton-ood extract: warning: {w.message}", sys.stderr)
-    except torch.cuda.OutOfMemoryError:
-        print(f"proton-ood extract: error: the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
-              "with a smaller one: the finished shards are reused", file=sys.stderr)
-        return 1
+    except torch.cuda.OutOfMemoryError as e:
+        return _failed(f"the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
+                       "with a smaller one (the shards finished so far are recomputed: the batch size changes the embeddings in their last bits)", e)
     except (ValueError, OSError, ImportError) as e:
-        print(f"proton-ood extract: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(str(e), e)
     if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
     _say(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:

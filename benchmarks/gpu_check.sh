@@ -11,11 +11,12 @@
 # e) end-to-end time of `proton-ood evaluate --experiments all`, d) extraction: the device path's tests on CUDA (nvJPEG
 # parity with the CPU preprocessing, no host synchronisation while staging), then throughput at steady state, the most
 # wanted first: ViT-B/32 on 8,192 JPEG files under float16 autocast on the device path, with a stage breakdown, with 0, 25 %
-# and 50 % of the files handed back to the workers (extract's worker_share);
-# benchmarks/extract_probe.py (each stage alone, the resize as matrix products against torch's interpolation kernels,
-# copies of the loop with one change each); ViT-B/32 in float32, both paths; FLAIR on 4,096 PNG files stored at its input
-# resolution without compression, as the data scripts' --resize 512 prepares them; then pixels made floats on the device
-# exactly as on the CPU, and nvJPEG's parity by kind of JPEG file.
+# and 50 % of the files handed back to the workers (extract's worker_share); the same with shards of 2,048 and with a
+# thread switch interval of 0.5 ms; ViT-B/32 in float32, both paths; FLAIR on 4,096 PNG files stored at its input
+# resolution without compression, as the data scripts' --resize 512 prepares them; benchmarks/extract_probe.py (each stage
+# alone, the resize as matrix products against torch's interpolation kernels, copies of the loop with one change each);
+# a worker share with 12 workers; then pixels made floats on the device exactly as on the CPU, and nvJPEG's parity by
+# kind of JPEG file. Steps a and d need about 540 s (BUDGET=540); the default budget cuts d's later steps.
 # Every step has its own timeout, capped so the whole script ends within BUDGET seconds; a step whose timeout that cap
 # cuts below 15 s is skipped (below a BUDGET of 30, the install steps themselves); a step that fails or times out is
 # logged and the next one runs.
@@ -82,13 +83,14 @@ import sys, time, json, torch; sys.path.insert(0, "benchmarks")
 import proton.engine as engine
 from proton import Proton
 from run import stream
-T, X = stream(10_000_000, 2, device="cuda")
+T, X = stream(10_000_000, 2, device="'$DEV'")
 for size in (1 << 16, 1 << 18, 1 << 20, 1 << 21):
     engine.CUDA_CHUNK_SIZE = size
     best = 1e9
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); start = torch.cuda.memory_allocated()  # the peak of this chunk size alone
     for _ in range(3):
         torch.cuda.synchronize(); t = time.perf_counter(); Proton(T).score(X); torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)
-    print(json.dumps(dict(chunk=size, n=len(X), samples_per_s=round(len(X) / best), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))))'
+    print(json.dumps(dict(chunk=size, n=len(X), samples_per_s=round(len(X) / best), beyond_input_gib=round((torch.cuda.max_memory_allocated() - start) / 2**30, 2))))'
 fi
 
 if want e; then
@@ -100,17 +102,18 @@ if want d; then
 # d. extraction: the device path's parity on CUDA (nvJPEG; prints the measured pixel difference), then throughput at steady state
 step "d. decode parity" 120 env PROTON_TEST_DEVICE=$DEV python3 -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu_decode.py
 step "d. extract ViT-B/32 amp" 150 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --worker-shares 0,0.25,0.5 --breakdown --json "$OUT/extract_vit_amp.json"
-# a share handed back to the workers was slower with 16 workers (2026-11-27): the same share with fewer workers, leaving cores to the threads that feed the GPU
-step "d. worker share, 12 workers" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --worker-shares 0,0.25 --workers 12 --json "$OUT/extract_vit_amp_w12.json"
 # the probe's copies of the loop (no shards written) ran at 58-68 % of forward only where extract ran at 38 % (2026-11-27):
 # one shard per batch (256, the default) against shards of 2,048 images, to see whether writing shards is what the copies lack
 step "d. shards of 2048" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 2 --amp --paths device --shard-size 2048 --breakdown --json "$OUT/extract_vit_amp_shards2048.json"
 # if not the shards, the GIL: the thread that launches the forward passes waits up to Python's switch interval (5 ms) for the
 # GIL each time the writer or the staging thread holds it; against about 13 ms of GPU work per batch of 256
 step "d. switch interval 0.5 ms" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 2 --amp --paths device --switch-interval 0.0005 --json "$OUT/extract_vit_amp_switch.json"
-step "d. probe" 120 python3 benchmarks/extract_probe.py --device $DEV --json "$OUT/probe_amp.json"
+# the table of the README: float32 (both paths) and FLAIR, before the probe and the worker share, so that a budget of 520 s keeps them
 step "d. extract ViT-B/32 fp32" 100 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --json "$OUT/extract_vit_fp32.json"
 step "d. extract FLAIR 512 PNG" 120 python3 benchmarks/extract.py --device $DEV --models flair --paths workers --n 4096 --batch-size 128 --repeats 1 --fundus-size 512 --png-level 0 --json "$OUT/extract_flair_512.json"
+step "d. probe" 120 python3 benchmarks/extract_probe.py --device $DEV --json "$OUT/probe_amp.json"
+# a share handed back to the workers was slower with 16 workers (2026-11-27): the same share with fewer workers, leaving cores to the threads that feed the GPU
+step "d. worker share, 12 workers" 80 python3 benchmarks/extract.py --device $DEV --models vit-b-32 --n 8192 --batch-size 256 --repeats 1 --amp --paths device --worker-shares 0,0.25 --workers 12 --json "$OUT/extract_vit_amp_w12.json"
 step "d. pixels on the device" 60 python3 -c '
 import numpy as np, torch
 from proton.models.vlm import pixels_to_float

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import positive, usable_device  # benchmarks/_args.py
-from run import stream, sync
+from run import on_gpu, stream, sync
 from proton import Proton
 
 
@@ -29,10 +29,10 @@ def main(argv=None):
     Proton(T).score(X[:100_000]); sync(a.device)  # warm-up
     start = time.perf_counter(); Proton(T).score(X); sync(a.device)
     print(f"{a.n:,} images, C={a.classes}, {a.device}: {a.n / (time.perf_counter() - start):,.0f} samples/s")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu(a.device) else [])
     with profile(activities=activities) as prof:
         Proton(T).score(X); sync(a.device)
-    key = "self_cuda_time_total" if a.device == "cuda" else "self_cpu_time_total"
+    key = "self_cuda_time_total" if on_gpu(a.device) else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=60))
 
 

@@ -26,12 +26,17 @@ from proton.scores import as_unit_rows
 from _args import positive, usable_device, writable  # benchmarks/_args.py
 
 
+def on_gpu(device):
+    "Whether `device` (cuda, cuda:1, cpu, ...) is a GPU."
+    return torch.device(device).type == "cuda"
+
+
 def stream(n, n_classes, dim=512, seed=0, device="cpu"):
     "Text embeddings and a clustered (n, dim) float32 stream on `device`: class centres plus noise, so most images pass the gate."
     g = torch.Generator(device=device).manual_seed(seed)
     T = torch.nn.functional.normalize(torch.randn(n_classes, dim, generator=g, device=device), dim=1)
     X = torch.empty(n, dim, device=device)
-    piece = 1 << (22 if device == "cuda" else 14)  # in pieces, so that building the input adds little to its own size
+    piece = 1 << (22 if on_gpu(device) else 14)  # in pieces, so that building the input adds little to its own size
     for a in range(0, n, piece):
         b = min(n, a + piece)
         cls = torch.randint(n_classes, (b - a,), generator=g, device=device)
@@ -72,7 +77,7 @@ def timed(fn, repeat=1):
 
 
 def sync(device):
-    if device == "cuda": torch.cuda.synchronize()
+    if on_gpu(device): torch.cuda.synchronize(device)
 
 
 def throughput(sizes, classes, slow_max, device, repeat):
@@ -91,7 +96,7 @@ def throughput(sizes, classes, slow_max, device, repeat):
                 rows.append(dict(C=C, n=n, impl="step by step", seconds=timed(steps)))
                 if device == "cpu": rows.append(dict(C=C, n=n, impl="numpy loop", seconds=timed(lambda: numpy_loop(T, x, cfg))))
         del X
-        if device == "cuda": torch.cuda.empty_cache()
+        if on_gpu(device): torch.cuda.empty_cache()
     for r in rows: r["samples_per_s"] = r["n"] / r["seconds"]
     return rows
 
@@ -121,13 +126,13 @@ def peak_rss(n):
                 beyond_input_gib=scoring - only_input)
 
 
-def peak_cuda(n):
-    "Peak GPU memory allocated while scoring an n-image stream, beyond the input."
-    T, X = stream(n, 2, device="cuda")
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    Proton(T).score(X); torch.cuda.synchronize()
-    return dict(n=n, input_gib=X.numel() * 4 / 2**30, beyond_input_gib=(torch.cuda.max_memory_allocated() - start) / 2**30)
+def peak_cuda(n, device):
+    "Peak GPU memory allocated on `device` while scoring an n-image stream, beyond the input."
+    T, X = stream(n, 2, device=device)
+    torch.cuda.synchronize(device); torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    Proton(T).score(X); torch.cuda.synchronize(device)
+    return dict(n=n, input_gib=X.numel() * 4 / 2**30, beyond_input_gib=(torch.cuda.max_memory_allocated(device) - start) / 2**30)
 
 
 def table(rows):
@@ -146,12 +151,12 @@ def main(argv=None):
     p.add_argument("--json", type=writable, help="also write all results to this file")
     p.add_argument("--slow-max", type=positive, help="largest N for the per-image paths (default: 10^6 on a CPU, 10^3 on a GPU)")
     a = p.parse_args(argv)
-    sizes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000, 1_000_000] + ([10_000_000] if a.device == "cuda" else [])
+    sizes = [1_000, 10_000] if a.quick else [1_000, 10_000, 100_000, 1_000_000] + ([10_000_000] if on_gpu(a.device) else [])
     machine = dict(python=platform.python_version(), torch=torch.__version__, cpu=platform.processor() or platform.machine(),
                    cores=os.cpu_count(), threads=torch.get_num_threads(), device=a.device,
-                   gpu=torch.cuda.get_device_name() if a.device == "cuda" else None)
+                   gpu=torch.cuda.get_device_name(a.device) if on_gpu(a.device) else None)
     print("machine:", json.dumps(machine))
-    slow_max = a.slow_max or (1_000 if a.quick or a.device == "cuda" else 1_000_000)  # per-image paths: minutes at 10^6
+    slow_max = a.slow_max or (1_000 if a.quick or on_gpu(a.device) else 1_000_000)  # per-image paths: minutes at 10^6
     rows = throughput(sizes, [2, 10], slow_max=slow_max, device=a.device, repeat=5)  # best of 5: interference only slows a run down
     import pandas as pd
     with pd.option_context("display.float_format", "{:,.1f}".format, "display.width", 200, "display.max_columns", None):
@@ -160,8 +165,8 @@ def main(argv=None):
     lat = latency(a.device)
     print(f"\nsingle-image latency: median {lat['median_us']:.0f} us, p99 {lat['p99_us']:.0f} us")
     n_mem = 100_000 if a.quick else 1_000_000
-    mem = peak_rss(n_mem) if a.device == "cpu" else peak_cuda(10 * n_mem)
-    if a.device == "cuda": print(f"\npeak GPU memory scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['beyond_input_gib']:.2f} GiB beyond the input")
+    mem = peak_cuda(10 * n_mem, a.device) if on_gpu(a.device) else peak_rss(n_mem)
+    if on_gpu(a.device): print(f"\npeak GPU memory scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['beyond_input_gib']:.2f} GiB beyond the input")
     else: print(f"\npeak RSS scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['peak_gib_scoring']:.2f} GiB;"
                   f" building the input alone: {mem['peak_gib_input_only']:.2f} GiB; beyond the input: {mem['beyond_input_gib']:.2f} GiB")
     if a.json:

@@ -209,3 +209,15 @@ def test_a_benchmark_shows_its_help_without_scikit_image(script):
             f"runpy.run_path('benchmarks/{script}', run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr.strip().splitlines()[-1:]
+
+
+@pytest.mark.parametrize("device,gpu", [("cuda", True), ("cuda:0", True), ("cuda:1", True), ("cpu", False)])
+def test_the_engine_benchmark_takes_any_cuda_device_for_a_gpu(monkeypatch, device, gpu):
+    "run.py tested device == 'cuda': with --device cuda:0 it never synchronised (timing kernel launches), chose the CPU's sizes and died on the CPU's memory keys."
+    import torch
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import run
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
+    run.sync(device)
+    assert run.on_gpu(device) == gpu and len(calls) == gpu

@@ -245,6 +245,44 @@ def test_state_from_another_configuration_is_refused():
     with pytest.raises(ValueError, match=r"bank_size=10 \(here 100\)"): Proton(T, ProtonConfig(temperature=0.2, k_min=2)).load_state_dict(sd)
 
 
+WARM = ProtonConfig(bank_size=10, k_min=2, temperature=0.2, warmup=20)
+
+
+def hand_edited(key, value):
+    "A warm-up detector's state after 60 images, with `sd[key]` replaced by `value`, or changed by it when callable."
+    det = Proton(T, WARM); det.score(E[:60])
+    sd = det.state_dict(); sd[key] = value(sd[key]) if callable(value) else value
+    return sd
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("var_ref", torch.tensor(np.inf, dtype=torch.float64), "state var_ref inf"),
+    ("welford", lambda w: w.index_fill(0, torch.tensor([1]), 1e300), r"state welford moments .* \|mean\| <= 1e\+100"),
+    ("welford", lambda w: w.index_fill(0, torch.tensor([2]), 1e205), r"state welford moments .* m2 <= 2 \* n \* 1e\+200"),
+    ("bank", lambda b: b.half(), "state bank must be float32 or float64, got torch.float16"),
+    ("prototypes", lambda p: p.bfloat16(), "state prototypes must be float32 or float64, got torch.bfloat16"),
+])
+def test_a_refused_state_leaves_the_detector_as_it_was(key, value, message):
+    "A refused load replaced the running moments first (var_ref = inf was refused after); moments no stream reaches and float16 banks were accepted."
+    det, twin = Proton(T, WARM), Proton(T, WARM)
+    det.score(E[:30]); twin.score(E[:30])
+    with pytest.raises(ValueError, match=message): det.load_state_dict(hand_edited(key, value))
+    assert same_state(snapshot(det), snapshot(twin))
+    assert torch.equal(det.score(E[30:100]), twin.score(E[30:100]))
+
+
+def test_a_state_of_tensors_that_require_grad_loads_and_scores():
+    "torch.load keeps requires_grad: such a bank or text made every later score and deepcopy fail."
+    import copy
+    det = Proton(T, CFG); det.score(E[:60])
+    sd = {k: v.clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in det.state_dict().items()}
+    buf = io.BytesIO(); torch.save(sd, buf); buf.seek(0); sd = torch.load(buf, weights_only=True)
+    batch, one = copy.deepcopy(det).score(E[60:120]), torch.cat([det.score(e) for e in E[60:120]])
+    for restored in (Proton(T, CFG).load_state_dict(sd), Proton.from_state_dict(sd)):
+        assert torch.equal(copy.deepcopy(restored).score(E[60:120]), batch)
+        assert torch.equal(torch.cat([restored.score(e) for e in E[60:120]]), one)
+
+
 # the deployment helpers, the metrics and the routed scores: bad input named, state kept
 
 def test_a_warm_up_refuses_scores_that_are_not_finite_and_keeps_its_state():

@@ -210,7 +210,7 @@ class WarmupThreshold:
         if set(sd) != set(self.state_dict()): raise ValueError(f"threshold state has the keys {sorted(sd)}, expected {sorted(self.state_dict())}")
         if (sd["warmup"], sd["id_recall"]) != (self.warmup, self.id_recall):
             raise ValueError(f"threshold state was saved with warmup={sd['warmup']}, id_recall={sd['id_recall']} (here {self.warmup}, {self.id_recall})")
-        finite = lambda v: plain_number(v) is not None and math.isfinite(v)
+        finite = lambda v: (x := plain_number(v)) is not None and math.isfinite(x)
         if sd["theta"] is None:
             if (sd["mean"], sd["std"], sd["source"]) != (None, None, None): raise ValueError("threshold state has no theta but a mean, spread or source")
         else:
@@ -222,7 +222,8 @@ class WarmupThreshold:
         if not isinstance(seen, list) or not all(finite(v) for v in seen): raise ValueError("threshold state: seen must be a list of finite scores")
         if len(seen) >= self.warmup or (seen and sd["theta"] is not None):
             raise ValueError(f"threshold state holds {len(seen)} warm-up scores of {self.warmup}{' after θ was set' if sd['theta'] is not None else ''}")
-        self.seen, self.theta, self.mean, self.std, self.source = list(seen), sd["theta"], sd["mean"], sd["std"], sd["source"]
+        self.seen, self.source = [plain_number(v) for v in seen], sd["source"]
+        self.theta, self.mean, self.std = (plain_number(sd[k]) for k in ("theta", "mean", "std"))  # floats, as `_set` makes them: a 0-d tensor would fail the next score
         return self
 
 # %% ../nbs/50_deploy.ipynb
@@ -255,7 +256,7 @@ class CusumDrift:
         if set(sd) != set(self.state_dict()) or (sd["k"], sd["h"]) != (self.k, self.h):
             raise ValueError(f"drift state {sd} does not fit CusumDrift(k={self.k}, h={self.h})")
         c, a = plain_number(sd["statistic"]), plain_number(sd["alarms"], whole=True)
-        if c is None or not 0 <= c < math.inf: raise ValueError(f"drift state: statistic must be a non-negative, finite number, got {sd['statistic']!r}")
+        if c is None or not 0 <= c <= self.h: raise ValueError(f"drift state: statistic must be a number in [0, h={self.h}] (C restarts from 0 once above h), got {sd['statistic']!r}")
         if a is None or a < 0: raise ValueError(f"drift state: alarms must be a non-negative integer, got {sd['alarms']!r}")
         self.statistic, self.alarms = c, a
         return self
@@ -310,6 +311,7 @@ class Monitor:
         if not isinstance(sd, dict) or sd.get("format") != MONITOR_FORMAT: raise ValueError(f"not a monitor state (format {MONITOR_FORMAT!r})")
         missing = [k for k in ("detector", "threshold", "drift") if k not in sd]
         if missing: raise ValueError(f"monitor state has no {missing[0]!r}")
+        if set(sd) != {"format", "detector", "threshold", "drift"}: raise ValueError(f"monitor state has the keys {sorted(sd)}, expected ['detector', 'drift', 'format', 'threshold']")
         t, d = sd["threshold"], sd["drift"]
         for what, part, fresh in (("threshold", t, WarmupThreshold()), ("drift", d, CusumDrift())):
             if not isinstance(part, dict): raise ValueError(f"{what} state must be a dict, got {type(part).__name__}")

@@ -388,11 +388,35 @@ def monitor_state():
     (lambda sd: sd | {"threshold": sd["threshold"] | {"theta": float("nan")}}, "threshold state: theta must be a finite number"),
     (lambda sd: sd | {"threshold": sd["threshold"] | {"std": -1.}}, "threshold state: std must be a positive"),
     (lambda sd: sd | {"threshold": sd["threshold"] | {"seen": [0.] * 25, "theta": None, "mean": None, "std": None, "source": None}}, "holds 25 warm-up scores of 20"),
-    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": -2.}}, "drift state: statistic must be a non-negative"),
+    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": -2.}}, r"drift state: statistic must be a number in \[0, h=5.0\]"),
+    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": 5.01}}, r"drift state: statistic must be a number in \[0, h=5.0\]"),
+    (lambda sd: sd | {"notes": 1}, r"monitor state has the keys \['detector', 'drift', 'format', 'notes', 'threshold'\], expected \['detector', 'drift', 'format', 'threshold'\]"),
 ])
 def test_a_corrupt_monitor_state_is_refused(change, message):
     from proton.deploy import Monitor
     with pytest.raises(ValueError, match=message): Monitor.from_state_dict(change(monitor_state()))
+
+
+def test_a_cusum_statistic_at_h_loads_and_raises_no_alarm_until_it_grows():
+    "C = h is a statistic a CusumDrift holds (the alarm needs C > h), so the bound is inclusive."
+    from proton.deploy import Monitor
+    sd = monitor_state(); sd["drift"]["statistic"] = 5.
+    r = Monitor.from_state_dict(sd)
+    assert r.drift.statistic == 5. and not r.drift.update([0.5])[1].any() and r.drift.update([0.6])[1].all()
+
+
+@pytest.mark.parametrize("key", ["theta", "mean", "std", "seen"])
+def test_a_monitor_state_of_0d_tensors_holds_floats_and_scores_as_the_saved_one(key):
+    "A threshold held as 0-d tensors was stored as it was; the next score raised a TypeError after the detector had taken in the batch."
+    from proton.deploy import Monitor, WarmupThreshold
+    warmup = 200 if key == "seen" else 20  # a warm-up still filling, or over
+    m = Monitor(Proton(T, CFG), WarmupThreshold(warmup=warmup)); m.score(E[:150])
+    sd = m.state_dict(); t = sd["threshold"]
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)
+    t[key] = [as_tensor(v) for v in t[key]] if key == "seen" else as_tensor(t[key])
+    r = Monitor.from_state_dict(sd)
+    assert all(type(v) is float for v in r.threshold.seen + [r.threshold.theta, r.threshold.mean, r.threshold.std] if v is not None)
+    for a, b in zip(r.score(E[150:]), m.score(E[150:])): np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kw, message", [(dict(rho="0.5"), "rho (the ID fraction) must be in (0, 1), got '0.5'"),

@@ -42,6 +42,7 @@ def replace_atomically(path, # destination; an existing file is replaced only on
     if not path.parent.is_dir():  # `open` would name the hidden temporary file, not the destination; no folder is made here (the command makes it)
         raise (NotADirectoryError(f"cannot write {given}: {path.parent} is not a folder") if path.parent.exists()
                else FileNotFoundError(f"cannot write {given}: folder {path.parent} does not exist"))
+    if path.is_dir(): raise IsADirectoryError(f"cannot write {given}: it is a folder")
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:  # the permissions of any new file (the umask's), not a temporary file's 0600
@@ -49,8 +50,9 @@ def replace_atomically(path, # destination; an existing file is replaced only on
             f.flush(); os.fsync(f.fileno())
         if path.exists(): os.chmod(tmp, path.stat().st_mode & 0o7777)  # a replaced file keeps its permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename == str(tmp): raise type(e)(f"cannot write {given}: {e.strerror}") from None  # a read-only folder: name the destination
         raise
     _fsync_dir(path.parent)
     return given
@@ -74,14 +76,14 @@ def save_detector(det:Proton, # the detector to save
 
 def torch_load_safely(path, # a file written by `torch.save`
                       what:str): # what it should hold, for the message
-    "What `torch.load` reads from `path` with `weights_only=True`, or a one-line `ValueError` naming what it refused."
-    try: return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError: raise
-    except Exception as e:  # pickle, zip and torch errors alike; their advice to unpickle anyway is not passed on
-        found = re.search(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL )([\w.]+)", str(e))
-        why = (f"it holds a pickled {found.group(1)} object, and only tensors and plain values are read" if found
-               else f"it is not a torch file of tensors ({type(e).__name__})")
-        raise ValueError(f"refusing to load {path} as {what}: {why}") from None
+    "What `torch.load` reads from `path` with `weights_only=True`, or a one-line `ValueError` naming what it refused; a file it cannot open raises its own `OSError`."
+    with open(path, "rb") as f:  # a missing or unreadable file, or a folder: the OSError's own message, naming the path
+        try: return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zip and torch errors alike; their advice to unpickle anyway is not passed on
+            found = re.search(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL )([\w.]+)", str(e))
+            why = (f"it holds a pickled {found.group(1)} object, and only tensors and plain values are read" if found
+                   else f"it is not a torch file of tensors ({type(e).__name__})")
+            raise ValueError(f"refusing to load {path} as {what}: {why}") from None
 
 def load_detector(path, # a file written by `save_detector`
                   base_score=None, # the callable, if the detector used a custom base score

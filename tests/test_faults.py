@@ -1,7 +1,9 @@
 """Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
 import io
+import os
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -528,6 +530,50 @@ def test_saving_into_a_missing_folder_names_the_destination_and_the_folder(tmp_p
                      lambda: replace_atomically(dest, lambda f: f.write(b"x"))):
             with pytest.raises(error, match=f"^{re.escape(f'cannot write {dest}: ' + why.format(folder.resolve()))}$"): save()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no folder made, nothing left behind
+
+
+def test_a_destination_that_is_a_folder_is_named_not_the_temporary_file(tmp_path):
+    "Saving onto a folder raised IsADirectoryError naming the hidden temporary file ('.state.pt.<hex>.tmp')."
+    from proton.deploy import replace_atomically, save_detector
+    dest = tmp_path / "state.pt"; dest.mkdir()
+    for save in (lambda: save_detector(Proton(T, CFG), dest), lambda: replace_atomically(dest, lambda f: f.write(b"x"))):
+        with pytest.raises(IsADirectoryError, match=f"^{re.escape(f'cannot write {dest}: it is a folder')}$"): save()
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"] and not any(dest.iterdir())
+
+
+def test_loading_a_folder_passes_the_os_error_through():
+    "A folder given as a state was 'not a torch file of tensors (IsADirectoryError)'."
+    from proton.deploy import load_detector, load_monitor
+    for load in (load_detector, load_monitor):
+        with pytest.raises(IsADirectoryError, match=re.escape(f"Is a directory: '{Path(__file__).parent}'")): load(Path(__file__).parent)
+
+
+def unprivileged(code:str):
+    "The output of `code` run in a Python that file permissions bind: as root, through setpriv without the capabilities that override them."
+    import shutil, subprocess
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"): pytest.skip("root without setpriv: file permissions do not bind")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_an_unreadable_state_and_a_read_only_folder_are_named_by_their_os_errors(tmp_path):
+    "A state without read permission was 'not a torch file', and saving into a read-only folder named the hidden temporary file."
+    from proton.deploy import save_detector
+    state, ro = tmp_path / "state.pt", tmp_path / "ro"
+    save_detector(Proton(T, CFG), state); state.chmod(0)
+    ro.mkdir(); ro.chmod(0o555)
+    out = unprivileged(f"""
+from proton.deploy import load_detector, save_state
+for call in (lambda: load_detector({str(state)!r}), lambda: save_state({{}}, {str(ro / 'state.pt')!r})):
+    try: call()
+    except Exception as e: print(type(e).__name__, e)
+""")
+    assert out.splitlines() == [f"PermissionError [Errno 13] Permission denied: '{state}'", f"PermissionError cannot write {ro / 'state.pt'}: Permission denied"]
+    assert not any(ro.iterdir())
 
 
 def test_a_callable_base_score_for_a_state_saved_with_a_named_one_is_refused(tmp_path):

@@ -42,6 +42,7 @@ def replace_atomically(path, # destination; an existing file is replaced only on
     if not path.parent.is_dir():  # `open` would name the hidden temporary file, not the destination; no folder is made here (the command makes it)
         raise (NotADirectoryError(f"cannot write {given}: {path.parent} is not a folder") if path.parent.exists()
                else FileNotFoundError(f"cannot write {given}: folder {path.parent} does not exist"))
+    if path.is_dir(): raise IsADirectoryError(f"cannot write {given}: it is a folder")
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:  # the permissions of any new file (the umask's), not a temporary file's 0600
@@ -49,8 +50,9 @@ def replace_atomically(path, # destination; an existing file is replaced only on
             f.flush(); os.fsync(f.fileno())
         if path.exists(): os.chmod(tmp, path.stat().st_mode & 0o7777)  # a replaced file keeps its permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename == str(tmp): raise type(e)(f"cannot write {given}: {e.strerror}") from None  # a read-only folder: name the destination
         raise
     _fsync_dir(path.parent)
     return given
@@ -74,14 +76,14 @@ def save_detector(det:Proton, # the detector to save
 
 def torch_load_safely(path, # a file written by `torch.save`
                       what:str): # what it should hold, for the message
-    "What `torch.load` reads from `path` with `weights_only=True`, or a one-line `ValueError` naming what it refused."
-    try: return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError: raise
-    except Exception as e:  # pickle, zip and torch errors alike; their advice to unpickle anyway is not passed on
-        found = re.search(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL )([\w.]+)", str(e))
-        why = (f"it holds a pickled {found.group(1)} object, and only tensors and plain values are read" if found
-               else f"it is not a torch file of tensors ({type(e).__name__})")
-        raise ValueError(f"refusing to load {path} as {what}: {why}") from None
+    "What `torch.load` reads from `path` with `weights_only=True`, or a one-line `ValueError` naming what it refused; a file it cannot open raises its own `OSError`."
+    with open(path, "rb") as f:  # a missing or unreadable file, or a folder: the OSError's own message, naming the path
+        try: return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zip and torch errors alike; their advice to unpickle anyway is not passed on
+            found = re.search(r"(?:Unsupported global: GLOBAL |unsupported GLOBAL )([\w.]+)", str(e))
+            why = (f"it holds a pickled {found.group(1)} object, and only tensors and plain values are read" if found
+                   else f"it is not a torch file of tensors ({type(e).__name__})")
+            raise ValueError(f"refusing to load {path} as {what}: {why}") from None
 
 def load_detector(path, # a file written by `save_detector`
                   base_score=None, # the callable, if the detector used a custom base score
@@ -210,7 +212,7 @@ class WarmupThreshold:
         if set(sd) != set(self.state_dict()): raise ValueError(f"threshold state has the keys {sorted(sd)}, expected {sorted(self.state_dict())}")
         if (sd["warmup"], sd["id_recall"]) != (self.warmup, self.id_recall):
             raise ValueError(f"threshold state was saved with warmup={sd['warmup']}, id_recall={sd['id_recall']} (here {self.warmup}, {self.id_recall})")
-        finite = lambda v: plain_number(v) is not None and math.isfinite(v)
+        finite = lambda v: (x := plain_number(v)) is not None and math.isfinite(x)
         if sd["theta"] is None:
             if (sd["mean"], sd["std"], sd["source"]) != (None, None, None): raise ValueError("threshold state has no theta but a mean, spread or source")
         else:
@@ -222,7 +224,8 @@ class WarmupThreshold:
         if not isinstance(seen, list) or not all(finite(v) for v in seen): raise ValueError("threshold state: seen must be a list of finite scores")
         if len(seen) >= self.warmup or (seen and sd["theta"] is not None):
             raise ValueError(f"threshold state holds {len(seen)} warm-up scores of {self.warmup}{' after θ was set' if sd['theta'] is not None else ''}")
-        self.seen, self.theta, self.mean, self.std, self.source = list(seen), sd["theta"], sd["mean"], sd["std"], sd["source"]
+        self.seen, self.source = [plain_number(v) for v in seen], sd["source"]
+        self.theta, self.mean, self.std = (plain_number(sd[k]) for k in ("theta", "mean", "std"))  # floats, as `_set` makes them: a 0-d tensor would fail the next score
         return self
 
 # %% ../nbs/50_deploy.ipynb
@@ -255,7 +258,7 @@ class CusumDrift:
         if set(sd) != set(self.state_dict()) or (sd["k"], sd["h"]) != (self.k, self.h):
             raise ValueError(f"drift state {sd} does not fit CusumDrift(k={self.k}, h={self.h})")
         c, a = plain_number(sd["statistic"]), plain_number(sd["alarms"], whole=True)
-        if c is None or not 0 <= c < math.inf: raise ValueError(f"drift state: statistic must be a non-negative, finite number, got {sd['statistic']!r}")
+        if c is None or not 0 <= c <= self.h: raise ValueError(f"drift state: statistic must be a number in [0, h={self.h}] (C restarts from 0 once above h), got {sd['statistic']!r}")
         if a is None or a < 0: raise ValueError(f"drift state: alarms must be a non-negative integer, got {sd['alarms']!r}")
         self.statistic, self.alarms = c, a
         return self
@@ -310,6 +313,7 @@ class Monitor:
         if not isinstance(sd, dict) or sd.get("format") != MONITOR_FORMAT: raise ValueError(f"not a monitor state (format {MONITOR_FORMAT!r})")
         missing = [k for k in ("detector", "threshold", "drift") if k not in sd]
         if missing: raise ValueError(f"monitor state has no {missing[0]!r}")
+        if set(sd) != {"format", "detector", "threshold", "drift"}: raise ValueError(f"monitor state has the keys {sorted(sd)}, expected ['detector', 'drift', 'format', 'threshold']")
         t, d = sd["threshold"], sd["drift"]
         for what, part, fresh in (("threshold", t, WarmupThreshold()), ("drift", d, CusumDrift())):
             if not isinstance(part, dict): raise ValueError(f"{what} state must be a dict, got {type(part).__name__}")

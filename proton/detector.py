@@ -339,9 +339,11 @@ def _state_structure(sd, config_keys):
         got = sorted(cfg) if isinstance(cfg, dict) else type(cfg).__name__
         raise ValueError(f"state config must have the keys {sorted(config_keys)}, got {got}")
 
+_WRITTEN = (torch.float32, torch.float64)  # the dtypes `state_dict` saves bank and prototypes in; a float16 bank would widen the tolerances below ~1e4 times
+
 def _state_tensor(sd, key:str, kind:str, shape:tuple|None, what:str, finite:bool=True):
     "`sd[key]` as a tensor of `kind` ('float' or 'int') and `shape` (None: any), or a `ValueError` naming what is wrong."
-    try: t = torch.as_tensor(sd[key])
+    try: t = torch.as_tensor(sd[key]).detach()  # `torch.load` keeps requires_grad, which every later score would trip over
     except (TypeError, ValueError, RuntimeError): raise ValueError(f"state {what} must be a tensor, got {type(sd[key]).__name__}") from None
     if kind == "float" and not t.is_floating_point(): raise ValueError(f"state {what} must be floating point, got {t.dtype}")
     if kind == "int" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool): raise ValueError(f"state {what} must be integers, got {t.dtype}")
@@ -361,13 +363,14 @@ def _check_state(self:Proton, sd):
     if not torch.allclose(text, self.text, atol=1e-6):
         raise ValueError(f"state was saved for other text embeddings: they differ from this detector's by up to {(text - self.text).abs().max():.3g}")
     saved = _state_tensor(sd, "bank", "float", (C, M, d), "bank")
+    if saved.dtype not in _WRITTEN: raise ValueError(f"state bank must be float32 or float64, got {saved.dtype}")
     bank = saved.to(like)
     counts = _state_tensor(sd, "counts", "int", (C,), "counts").to(self.bank.counts)
     w = _state_tensor(sd, "welford", "float", (3,), "welford moments").double()
     n, mean, m2 = w.tolist()
-    if not (0 <= n <= 2**53 and n == int(n)) or m2 < 0 or (n == 0 and (mean or m2)) or (n == 1 and m2):
-        raise ValueError(f"state welford moments (n, mean, m2) = {w.tolist()} are not those of any stream: n must be a whole number "
-                         "in [0, 2^53], m2 >= 0; n = 0 needs mean = m2 = 0, and n = 1 needs m2 = 0")
+    if not (0 <= n <= 2**53 and n == int(n)) or not 0 <= m2 <= 2 * n * MAX_BASE**2 or abs(mean) > MAX_BASE or (n == 0 and (mean or m2)) or (n == 1 and m2):
+        raise ValueError(f"state welford moments (n, mean, m2) = {w.tolist()} are not those of any stream: n must be a whole number in [0, 2^53], "
+                         f"|mean| <= {MAX_BASE:g} and 0 <= m2 <= 2 * n * {MAX_BASE**2:g} (base scores lie within ±{MAX_BASE:g}: m2 <= n * {MAX_BASE**2:g}, doubled for rounding); n = 0 needs mean = m2 = 0, and n = 1 needs m2 = 0")
     if (counts < 0).any() or (counts > M).any() or counts.sum() > n:
         raise ValueError(f"state counts {counts.tolist()} must lie in [0, {M}] and add up to at most the {int(n)} images seen")
     filled = torch.arange(M, device=counts.device) < counts[:, None]
@@ -377,11 +380,14 @@ def _check_state(self:Proton, sd):
     learned = None
     if "var_ref" in sd:
         v = _state_tensor(sd, "var_ref", "float", (), "var_ref", finite=False).item()  # NaN until the warm-up is over
+        if v == math.inf: raise ValueError("state var_ref inf must be NaN (no warm-up read yet) or a non-negative, finite variance")
         W = self.config.warmup
         if (math.isnan(v) != (W == 0 or n < W)) or v < 0: raise ValueError(f"state var_ref {v} does not fit a warm-up of {W} images after {int(n)} images")
         learned = None if math.isnan(v) else v
     if "prototypes" not in sd: return bank, counts, None, Welford(int(n), mean, m2), learned
-    prototypes = _state_tensor(sd, "prototypes", "float", (C, d), "prototypes").to(like)
+    prototypes = _state_tensor(sd, "prototypes", "float", (C, d), "prototypes")
+    if prototypes.dtype not in _WRITTEN: raise ValueError(f"state prototypes must be float32 or float64, got {prototypes.dtype}")
+    prototypes = prototypes.to(like)
     sums = bank.sum(1)
     off = torch.linalg.vector_norm(prototypes * torch.linalg.vector_norm(sums, dim=1, keepdim=True).clamp_min(1e-12) - sums, dim=1)
     if (off > 1e3 * eps * counts).any() or (torch.linalg.vector_norm(prototypes, dim=1) > 1 + 100 * eps).any():  # compared as sums: adding n unit rows in another order moves the sum by about n eps, whatever its length
@@ -391,8 +397,8 @@ def _check_state(self:Proton, sd):
 def _load_state_dict(self:Proton,
                      sd:dict): # a dict from `Proton.state_dict`
     "Restore a state saved by `state_dict`; the detector is unchanged if `sd` is rejected."
-    bank, counts, prototypes, self.welford, learned = self._check_state(sd)
-    self._set_var_ref(learned)
+    bank, counts, prototypes, welford, learned = self._check_state(sd)
+    self._set_var_ref(learned); self.welford = welford  # nothing changes before every check has passed
     self.bank.entries.copy_(bank); self.bank.counts.copy_(counts)
     if prototypes is None:
         for c in range(self.n_classes): self.bank.refresh(c)

@@ -1,7 +1,9 @@
 """Bad input is refused with a message naming the problem, and nothing already in the detector is lost."""
 import io
+import os
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +247,44 @@ def test_state_from_another_configuration_is_refused():
     with pytest.raises(ValueError, match=r"bank_size=10 \(here 100\)"): Proton(T, ProtonConfig(temperature=0.2, k_min=2)).load_state_dict(sd)
 
 
+WARM = ProtonConfig(bank_size=10, k_min=2, temperature=0.2, warmup=20)
+
+
+def hand_edited(key, value):
+    "A warm-up detector's state after 60 images, with `sd[key]` replaced by `value`, or changed by it when callable."
+    det = Proton(T, WARM); det.score(E[:60])
+    sd = det.state_dict(); sd[key] = value(sd[key]) if callable(value) else value
+    return sd
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("var_ref", torch.tensor(np.inf, dtype=torch.float64), "state var_ref inf"),
+    ("welford", lambda w: w.index_fill(0, torch.tensor([1]), 1e300), r"state welford moments .* \|mean\| <= 1e\+100"),
+    ("welford", lambda w: w.index_fill(0, torch.tensor([2]), 1e205), r"state welford moments .* m2 <= 2 \* n \* 1e\+200"),
+    ("bank", lambda b: b.half(), "state bank must be float32 or float64, got torch.float16"),
+    ("prototypes", lambda p: p.bfloat16(), "state prototypes must be float32 or float64, got torch.bfloat16"),
+])
+def test_a_refused_state_leaves_the_detector_as_it_was(key, value, message):
+    "A refused load replaced the running moments first (var_ref = inf was refused after); moments no stream reaches and float16 banks were accepted."
+    det, twin = Proton(T, WARM), Proton(T, WARM)
+    det.score(E[:30]); twin.score(E[:30])
+    with pytest.raises(ValueError, match=message): det.load_state_dict(hand_edited(key, value))
+    assert same_state(snapshot(det), snapshot(twin))
+    assert torch.equal(det.score(E[30:100]), twin.score(E[30:100]))
+
+
+def test_a_state_of_tensors_that_require_grad_loads_and_scores():
+    "torch.load keeps requires_grad: such a bank or text made every later score and deepcopy fail."
+    import copy
+    det = Proton(T, CFG); det.score(E[:60])
+    sd = {k: v.clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in det.state_dict().items()}
+    buf = io.BytesIO(); torch.save(sd, buf); buf.seek(0); sd = torch.load(buf, weights_only=True)
+    batch, one = copy.deepcopy(det).score(E[60:120]), torch.cat([det.score(e) for e in E[60:120]])
+    for restored in (Proton(T, CFG).load_state_dict(sd), Proton.from_state_dict(sd)):
+        assert torch.equal(copy.deepcopy(restored).score(E[60:120]), batch)
+        assert torch.equal(torch.cat([restored.score(e) for e in E[60:120]]), one)
+
+
 # the deployment helpers, the metrics and the routed scores: bad input named, state kept
 
 def test_a_warm_up_refuses_scores_that_are_not_finite_and_keeps_its_state():
@@ -350,11 +390,35 @@ def monitor_state():
     (lambda sd: sd | {"threshold": sd["threshold"] | {"theta": float("nan")}}, "threshold state: theta must be a finite number"),
     (lambda sd: sd | {"threshold": sd["threshold"] | {"std": -1.}}, "threshold state: std must be a positive"),
     (lambda sd: sd | {"threshold": sd["threshold"] | {"seen": [0.] * 25, "theta": None, "mean": None, "std": None, "source": None}}, "holds 25 warm-up scores of 20"),
-    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": -2.}}, "drift state: statistic must be a non-negative"),
+    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": -2.}}, r"drift state: statistic must be a number in \[0, h=5.0\]"),
+    (lambda sd: sd | {"drift": sd["drift"] | {"statistic": 5.01}}, r"drift state: statistic must be a number in \[0, h=5.0\]"),
+    (lambda sd: sd | {"notes": 1}, r"monitor state has the keys \['detector', 'drift', 'format', 'notes', 'threshold'\], expected \['detector', 'drift', 'format', 'threshold'\]"),
 ])
 def test_a_corrupt_monitor_state_is_refused(change, message):
     from proton.deploy import Monitor
     with pytest.raises(ValueError, match=message): Monitor.from_state_dict(change(monitor_state()))
+
+
+def test_a_cusum_statistic_at_h_loads_and_raises_no_alarm_until_it_grows():
+    "C = h is a statistic a CusumDrift holds (the alarm needs C > h), so the bound is inclusive."
+    from proton.deploy import Monitor
+    sd = monitor_state(); sd["drift"]["statistic"] = 5.
+    r = Monitor.from_state_dict(sd)
+    assert r.drift.statistic == 5. and not r.drift.update([0.5])[1].any() and r.drift.update([0.6])[1].all()
+
+
+@pytest.mark.parametrize("key", ["theta", "mean", "std", "seen"])
+def test_a_monitor_state_of_0d_tensors_holds_floats_and_scores_as_the_saved_one(key):
+    "A threshold held as 0-d tensors was stored as it was; the next score raised a TypeError after the detector had taken in the batch."
+    from proton.deploy import Monitor, WarmupThreshold
+    warmup = 200 if key == "seen" else 20  # a warm-up still filling, or over
+    m = Monitor(Proton(T, CFG), WarmupThreshold(warmup=warmup)); m.score(E[:150])
+    sd = m.state_dict(); t = sd["threshold"]
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)
+    t[key] = [as_tensor(v) for v in t[key]] if key == "seen" else as_tensor(t[key])
+    r = Monitor.from_state_dict(sd)
+    assert all(type(v) is float for v in r.threshold.seen + [r.threshold.theta, r.threshold.mean, r.threshold.std] if v is not None)
+    for a, b in zip(r.score(E[150:]), m.score(E[150:])): np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kw, message", [(dict(rho="0.5"), "rho (the ID fraction) must be in (0, 1), got '0.5'"),
@@ -466,6 +530,50 @@ def test_saving_into_a_missing_folder_names_the_destination_and_the_folder(tmp_p
                      lambda: replace_atomically(dest, lambda f: f.write(b"x"))):
             with pytest.raises(error, match=f"^{re.escape(f'cannot write {dest}: ' + why.format(folder.resolve()))}$"): save()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no folder made, nothing left behind
+
+
+def test_a_destination_that_is_a_folder_is_named_not_the_temporary_file(tmp_path):
+    "Saving onto a folder raised IsADirectoryError naming the hidden temporary file ('.state.pt.<hex>.tmp')."
+    from proton.deploy import replace_atomically, save_detector
+    dest = tmp_path / "state.pt"; dest.mkdir()
+    for save in (lambda: save_detector(Proton(T, CFG), dest), lambda: replace_atomically(dest, lambda f: f.write(b"x"))):
+        with pytest.raises(IsADirectoryError, match=f"^{re.escape(f'cannot write {dest}: it is a folder')}$"): save()
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"] and not any(dest.iterdir())
+
+
+def test_loading_a_folder_passes_the_os_error_through():
+    "A folder given as a state was 'not a torch file of tensors (IsADirectoryError)'."
+    from proton.deploy import load_detector, load_monitor
+    for load in (load_detector, load_monitor):
+        with pytest.raises(IsADirectoryError, match=re.escape(f"Is a directory: '{Path(__file__).parent}'")): load(Path(__file__).parent)
+
+
+def unprivileged(code:str):
+    "The output of `code` run in a Python that file permissions bind: as root, through setpriv without the capabilities that override them."
+    import shutil, subprocess
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"): pytest.skip("root without setpriv: file permissions do not bind")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_an_unreadable_state_and_a_read_only_folder_are_named_by_their_os_errors(tmp_path):
+    "A state without read permission was 'not a torch file', and saving into a read-only folder named the hidden temporary file."
+    from proton.deploy import save_detector
+    state, ro = tmp_path / "state.pt", tmp_path / "ro"
+    save_detector(Proton(T, CFG), state); state.chmod(0)
+    ro.mkdir(); ro.chmod(0o555)
+    out = unprivileged(f"""
+from proton.deploy import load_detector, save_state
+for call in (lambda: load_detector({str(state)!r}), lambda: save_state({{}}, {str(ro / 'state.pt')!r})):
+    try: call()
+    except Exception as e: print(type(e).__name__, e)
+""")
+    assert out.splitlines() == [f"PermissionError [Errno 13] Permission denied: '{state}'", f"PermissionError cannot write {ro / 'state.pt'}: Permission denied"]
+    assert not any(ro.iterdir())
 
 
 def test_a_callable_base_score_for_a_state_saved_with_a_named_one_is_refused(tmp_path):

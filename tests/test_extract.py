@@ -917,9 +917,9 @@ def test_a_model_that_fails_to_load_leaves_no_new_folder(data, tmp_path, monkeyp
 
 # --- torchrun: failures, thread counts, batch sizes ------------------------------------------------------------------
 
-def torchrun(args, tmp_path, **env):
-    "`proton-ood extract ARGS` under torchrun with two gloo processes on the CPU: the finished process."
-    command = Path(sys.executable).with_name("proton-ood")  # the console script, which torchrun runs as a Python file
+def torchrun(args, tmp_path, command=None, **env):
+    "`proton-ood extract ARGS` (or `command extract ARGS`) under torchrun with two gloo processes on the CPU: the finished process."
+    command = command or Path(sys.executable).with_name("proton-ood")  # the console script, which torchrun runs as a Python file
     return subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(command), "extract",
                            "--model", MODEL, "--workers", "0", "--device", "cpu", "--no-progress", *args],
                           env=dict(os.environ, SOURCE_DATE_EPOCH=EPOCH, OMP_NUM_THREADS="1", TQDM_DISABLE="1", **env),
@@ -977,6 +977,15 @@ def test_shards_of_another_batch_size_are_not_reused(clip, data, tmp_path, count
     assert "reused" not in capsys.readouterr().err  # the advice no longer promises to keep the finished shards
 
 
+def test_batch_sizes_at_or_above_the_shard_size_share_their_shards(clip, data, tmp_path, counted, monkeypatch):
+    "A batch is cut inside its shard: batch sizes of 2 and 4 with shards of 2 compute the same, yet every shard was recomputed and the cache's hash changed."
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    one = extract(clip, data, out=tmp_path / "c.npz", keep_shards=True, **RUN)
+    counted.clear()
+    two = extract(clip, data, out=tmp_path / "c.npz", **dict(RUN, batch_size=4))
+    assert counted == [] and two.content_hash() == one.content_hash() and two.metadata["batch_size"] == 2
+
+
 def test_local_features_pass_through_torchrun_under_a_name_of_their_own():
     "torchrun's parser took `--local`, after the script, for an ambiguous prefix of its --local-ranks-filter and --local-addr, and stopped."
     from torch.distributed.run import parse_args
@@ -986,15 +995,28 @@ def test_local_features_pass_through_torchrun_under_a_name_of_their_own():
     for flag in ("--local", "--local-features"): assert ex._parser().parse_args(script[2:] + [flag]).local
 
 
-@pytest.mark.parametrize("case", ["before the process group", "another run holds the lock", "an unreadable image on rank 1"])
+@pytest.mark.parametrize("case", ["another run holds the lock", "an unreadable image on rank 1", "no image readable"])
 def test_under_torchrun_an_error_every_rank_shares_is_printed_once(tmp_path, case):
     "Success was reported by rank 0 alone, but every error once per rank; rank 0 alone says one that every rank has, and every rank exits 1."
     from proton.deploy import hold_lock
     root, out = make_prepared(tmp_path / "d"), tmp_path / "c.npz"
-    args = ["--data", str(root), "--out", str(out), "--batch-size", "1", "--shard-size", "2", "--strict"]
+    args = ["--data", str(root), "--out", str(out), "--batch-size", "1", "--shard-size", "2"] + ["--strict"] * (case != "no image readable")
     if case == "an unreadable image on rank 1": (root / read_prepared(root).files[2]).write_bytes(b"\x89PNG\r\n\x1a\n half copied")
+    if case == "no image readable":  # found by every rank once the shards are read: 'none of the 12 images ... could be read' was printed twice
+        for f in read_prepared(root).files: (root / f).write_bytes(b"\x89PNG\r\n\x1a\n half copied")
     with hold_lock(f"{out}.lock") if case == "another run holds the lock" else contextlib.nullcontext():
-        run = torchrun(args + (["--prompts", "a,b,c"] if case == "before the process group" else []), tmp_path)
-    said = {"before the process group": "got 3 prompts for 2 classes", "another run holds the lock": "another extract is writing",
-            "an unreadable image on rank 1": "cannot read image"}[case]
+        run = torchrun(args, tmp_path)
+    said = {"another run holds the lock": "another extract is writing", "an unreadable image on rank 1": "cannot read image",
+            "no image readable": "could be read"}[case]
     assert run.returncode == 1 and len(errors_of(run)) == 1 and said in errors_of(run)[0], run.stderr[-3000:]  # rank 0 spoke before torchrun stopped it
+
+
+def test_under_torchrun_an_error_before_the_process_group_is_printed_though_rank_0_is_late(tmp_path):
+    """Before the process group exists no rank can wait for another: rank 0 alone printed such an error, and when the other rank
+    ended first torchrun stopped rank 0 before it spoke, so a bad argument ended the run with no error line at all."""
+    slow = tmp_path / "slow.py"  # proton-ood whose rank 0 checks its arguments 3 s after rank 1, as a slower disk would
+    slow.write_text("import os, sys, time\nimport proton.models.extract as ex\nreal = ex.check_extract\n"
+                    "def late(*a, **k):\n    if os.environ.get('RANK') == '0': time.sleep(3)\n    return real(*a, **k)\n"
+                    "ex.check_extract = late\nfrom proton.cli import main\nsys.exit(main())\n")
+    run = torchrun(["--data", str(make_prepared(tmp_path / "d")), "--out", str(tmp_path / "c.npz"), "--prompts", "a,b,c"], tmp_path, command=slow)
+    assert run.returncode == 1 and errors_of(run) and all("got 3 prompts for 2 classes" in l for l in errors_of(run)), run.stderr[-3000:]

@@ -546,7 +546,7 @@ def images_fingerprint(folder:PreparedFolder): # a prepared folder
     return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
 
 def _cpu_threads(vlm:VLM): # the model
-    "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1); None elsewhere."
+    "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1 unless it is set); None elsewhere."
     return torch.get_num_threads() if vlm.device.type == "cpu" else None
 
 def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None, local:bool, shard_size:int, amp:bool, decode_on_device:bool=False, worker_share=0, batch_size:int=64):
@@ -558,7 +558,7 @@ def _run_fingerprint(vlm:VLM, folder:PreparedFolder, checkpoint_sha256:str|None,
     run = dict(format=SHARD_FORMAT, model=vlm.name, backend=type(vlm).__qualname__, weights_sha256=weights_sha256(vlm), dim=vlm.dim, image_size=list(vlm.image_size),
                preprocessing=describe_preprocessing(vlm), checkpoint_sha256=checkpoint_sha256, device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp=amp,
                decode=("device" if share == 0 else f"device, {share} to the workers") if decode_on_device else "workers", local=local,
-               local_features=vlm.local_features if local else None, shard_size=shard_size, batch_size=batch_size, library_version=__version__, files=stats)
+               local_features=vlm.local_features if local else None, shard_size=shard_size, batch_size=min(batch_size, shard_size), library_version=__version__, files=stats)
     return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()
 
 # %% ../../nbs/43_extract.ipynb
@@ -860,17 +860,17 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             barrier()  # every rank has read them
         finally:
             if scratch: scratch.cleanup()
-        if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order")
+        if [f for p in parts for f in p["files"].tolist()] != list(folder.files): raise _every_rank(CorruptCacheError(f"the shards in {shards} do not cover the folder's files in order"))
         errors = np.concatenate([p["errors"] for p in parts])
         skipped = [dict(file=f, error=str(e)) for f, e in zip(folder.files, errors) if e]
-        if skipped and strict: raise ValueError(f"cannot read image {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}")
-        if len(skipped) == len(folder): raise ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}")
+        if skipped and strict: raise _every_rank(ValueError(f"cannot read image {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}"))
+        if len(skipped) == len(folder): raise _every_rank(ValueError(f"none of the {len(folder)} images of {folder.root} could be read, e.g. {_named(folder.root / skipped[0]['file'], skipped[0]['error'])}"))
         fit = np.array(folder.shift) == "fit"
         keep, keep_fit = (errors == "") & ~fit, (errors == "") & fit  # the fit split's images go apart from the test images
         if not keep.any():
             bad = next(s for s, f in zip(skipped, fit[errors != ""]) if not f)
-            raise ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {_named(folder.root / bad['file'], bad['error'])}")
-        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp, batch_size)
+            raise _every_rank(ValueError(f"none of the {int((~fit).sum())} test images of {folder.root} could be read, e.g. {_named(folder.root / bad['file'], bad['error'])}"))
+        metadata = _metadata(vlm, folder, prompts, prompt_source, weights, checkpoint_sha256, local, amp, min(batch_size, shard_size))  # a batch is cut inside its shard
         metadata |= dict(skipped_files=skipped, prompt_sets=list(sets), decode=decode, decode_fallback=decode_fallback,
                          worker_share=None if on_device is None else float(share))
         E = np.concatenate([p["image_embeddings"] for p in parts])
@@ -949,10 +949,10 @@ def _say(text:str, # a line to print
 
 def _failed(line:str, # what went wrong, in one line
             error:Exception): # the error it says
-    "Print `line` as the command's error, on rank 0 alone where every rank has the error; the exit status, 1."
+    "Print `line` as the command's error, on rank 0 alone where every rank has it in the process group; the exit status, 1."
     import torch.distributed as dist
     grouped = dist.is_available() and dist.is_initialized()
-    shared = getattr(error, "every_rank", False) or not grouped  # before the process group, every rank checked the same arguments
+    shared = getattr(error, "every_rank", False) and grouped  # before the group no rank can wait for rank 0 to speak: each says it
     if int(os.environ.get("RANK", "0")) == 0 or not shared: print(f"proton-ood extract: error: {line}", file=sys.stderr)
     if shared and grouped: dist.barrier()  # no rank ends before rank 0 has spoken: torchrun stops the others once one ends in error
     return 1

@@ -112,10 +112,6 @@ def zero_shot_logits(image_embeddings:Tensor, # (N, d) L2-normalised image embed
 def plain_number(value, # a Python, numpy or 0-d torch number
                  whole:bool=False): # whether it must be an integer
     "`value` as a Python float (an int if `whole`); None for what is not a real number (a string, a bool, an array) or, if `whole`, not whole."
-    if isinstance(value, int) and not isinstance(value, bool):  # a Python int of any size: numpy would make one past int64 an object
-        if whole: return value
-        try: return float(value)
-        except OverflowError: return math.inf if value > 0 else -math.inf
     v = np.asarray(value.detach().cpu() if isinstance(value, Tensor) else value)
     if v.ndim or v.dtype.kind not in "iuf": return None
     if not whole: return float(v)

@@ -311,7 +311,7 @@ def test_errors_are_one_line(tmp_path, case):
     source, model, message = {"empty folder": ("empty", "open_clip:ViT-S-32/none", "no images in"),
                               "unknown model": ("photos", "biomedclip", "unknown VLM 'biomedclip'"),
                               "unreadable list": ("list.txt", "open_clip:ViT-S-32/none", "cannot read the file list"),
-                              "missing source": ("absent", "open_clip:ViT-S-32/none", "no image folder or file list")}[case]
+                              "missing source": ("absent", "open_clip:ViT-S-32/none", "no embedding cache, image folder or file list at")}[case]
     r = proton_ood("score", str(tmp_path / source), "--out", str(tmp_path / "r.csv"), "--model", model, "--classes", "a,b")
     assert one_line_error(r) and message in r.stderr, r.stderr
 

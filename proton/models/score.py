@@ -29,7 +29,7 @@ from ..detector import Proton, ProtonConfig
 from ..scores import plain_number
 from . import model_device
 from ..bench.cache import not_utf8
-from .extract import _about, _prompt_list, _say, default_workers, file_sha256, read_prompt_file, resolve_prompts
+from .extract import _about, _prompt_list, _say, first_repeat, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import _named, read_image, spec_weights
 
@@ -300,7 +300,7 @@ def class_prompts_from(classes:str|list|None, # class names: a list, or "a,b" as
     if not classes: raise ValueError(f"no class names in {given!r}: name them as --classes a,b")
     for what, x in (("the class name", classes), ("the prompt", prompts)):  # bytes of another encoding: the results and the state could not hold them
         if bad := not_utf8(x, what): raise ValueError(f"{what} {bad[1]!r} is not UTF-8 text (bytes of another encoding?), which the results cannot hold; write it in UTF-8")
-    twice = next((c for i, c in enumerate(classes) if c in classes[:i]), None)
+    twice = first_repeat(classes)
     if twice is not None: raise ValueError(f"the class {twice!r} is named twice: the classes must be distinct names")
     with _about(file): return resolve_prompts(list(classes) if prompts is None else prompts, SimpleNamespace(classes=tuple(classes), class_names=tuple(classes), prompts=None))
 

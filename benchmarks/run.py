@@ -5,7 +5,9 @@ N = 10^6; add `--quick` for a short run). Every number is measured in this run, 
 this machine, and speed-ups are printed as ratios against baselines measured in the same run:
 - `vectorised`: `Proton.score` on the whole stream (the exact vectorised engine), best of 5 runs;
 - `step by step`: the detector's per-image path (`Proton._steps`), the literal Algorithm 1;
-- `numpy loop`: a plain, straightforward numpy implementation of Algorithm 1 with Python lists as queues.
+- `numpy loop`: a plain, straightforward numpy implementation of Algorithm 1 with Python lists as queues;
+- many classes and a small bank (C = 1000, M = 4): one call as `score` routes it (on a CPU, the step path: `steps_cheaper`)
+  against the same call forced through the engine.
 """
 import argparse
 import json
@@ -101,6 +103,17 @@ def throughput(sizes, classes, slow_max, device, repeat):
     return rows
 
 
+def small_blocks(n, device, n_classes=1000, bank_size=4):
+    "Seconds of one n-image call with many classes and a small bank, as `score` routes it (`steps_cheaper`) and forced through the engine."
+    T, X = stream(n, n_classes, device=device)
+    cfg = ProtonConfig(bank_size=bank_size, k_min=1, temperature=DEFAULT_TEMPERATURE)
+    def routed():
+        Proton(T, cfg).score(X); sync(device)
+    def engine():
+        Proton(T, cfg)._scan(X, torch.linalg.vector_norm(X, dim=1), None, None, False); sync(device)
+    return dict(C=n_classes, M=bank_size, n=n, routed_s=timed(routed, 3), engine_s=timed(engine, 3))
+
+
 def latency(device, n_warm=300, n_calls=3000):
     "Median and 99th-percentile time of `score` on one image at a time, after a warm-up that calibrates the bank."
     T, X = stream(n_warm + n_calls, 2, device=device)
@@ -162,6 +175,9 @@ def main(argv=None):
     with pd.option_context("display.float_format", "{:,.1f}".format, "display.width", 200, "display.max_columns", None):
         print("\nthroughput (samples/s; d=512, M=100) and ratios measured in this run:")
         print(table(rows))
+    few = small_blocks(1_000 if a.quick else 4_000, a.device)
+    print(f"\nmany classes, small bank (C={few['C']}, M={few['M']}, n={few['n']:,}, one call): as routed {few['routed_s']:.2f} s,"
+          f" through the engine {few['engine_s']:.2f} s; engine / routed = {few['engine_s'] / few['routed_s']:.1f}")
     lat = latency(a.device)
     print(f"\nsingle-image latency: median {lat['median_us']:.0f} us, p99 {lat['p99_us']:.0f} us")
     n_mem = 100_000 if a.quick else 1_000_000
@@ -170,7 +186,7 @@ def main(argv=None):
     else: print(f"\npeak RSS scoring {mem['n']:,} images ({mem['input_gib']:.2f} GiB input): {mem['peak_gib_scoring']:.2f} GiB;"
                   f" building the input alone: {mem['peak_gib_input_only']:.2f} GiB; beyond the input: {mem['beyond_input_gib']:.2f} GiB")
     if a.json:
-        with open(a.json, "w") as f: json.dump(dict(machine=machine, throughput=rows, latency=lat, memory=mem), f, indent=1)
+        with open(a.json, "w") as f: json.dump(dict(machine=machine, throughput=rows, small_blocks=few, latency=lat, memory=mem), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classif
 from .bank import PrototypeBank, out_of_memory, passes_gate
 from .proto import proto_score
 from .fusion import MAX_BASE, Welford, adaptive_fusion
-from .engine import STEP_MAX, BankViews, ChunkBuffers, chunk_size, scan_chunk, score_one
+from .engine import STEP_MAX, BankViews, ChunkBuffers, chunk_size, scan_chunk, score_one, steps_cheaper
 
 # %% ../nbs/14_detector.ipynb
 @dataclass(frozen=True)
@@ -246,9 +246,13 @@ def _learn_var_ref(self:Proton):
 def _part(x:Tensor|None, a:int, b:int): return None if x is None else x[a:b]
 
 def _score_rows(self:Proton, X:Tensor, norms:Tensor, base, routed, keep_parts:bool):
-    "Score rows on the step path or the vectorised engine, by their number."
-    if len(X) > STEP_MAX: return self._scan(X, norms, base, routed, keep_parts)
-    parts = self._steps(X / norms[:, None], *self._classify(X, norms, base, routed))
+    "Score rows on the step path or the vectorised engine, by their number and the bank's shape."
+    if len(X) > STEP_MAX and not steps_cheaper(self.n_classes, self.config.bank_size, self.device): return self._scan(X, norms, base, routed, keep_parts)
+    size, out = chunk_size(self.device, self.n_classes), []
+    for a in range(0, len(X) or 1, size):  # the (N, C) arrays of `_classify` bounded as the engine's chunks
+        rows, lengths = X[a:a + size], norms[a:a + size]
+        out.append(self._steps(rows / lengths[:, None], *self._classify(rows, lengths, _part(base, a, a + size), _part(routed, a, a + size))))
+    parts = out[0] if len(out) == 1 else ProtonParts(*(torch.cat(p) for p in zip(*out)))
     return parts if keep_parts else parts.score
 
 def _score(self:Proton,

@@ -4,10 +4,10 @@
 
 # %% auto 0
 __all__ = ['BLOCK', 'CUDA_BLOCK', 'KAPPA', 'TILE', 'TILE_BYTES', 'CUDA_TILE_BYTES', 'REDO', 'CHUNK_SIZE', 'CUDA_CHUNK_SIZE',
-           'CHUNK_CELLS', 'CUDA_CHUNK_CELLS', 'STEP_MAX', 'running_variance', 'queue_lengths', 'arrivals_by_class',
-           'source_rows', 'queue_entries', 'eviction_rows', 'queue_changes', 'prefix_sums', 'block_starts',
-           'block_similarities', 'block_size', 'tile_blocks', 'ChunkBuffers', 'scan_chunk', 'BankViews', 'score_one',
-           'chunk_size']
+           'CHUNK_CELLS', 'CUDA_CHUNK_CELLS', 'STEP_MAX', 'STEP_WIDTH', 'running_variance', 'queue_lengths',
+           'arrivals_by_class', 'source_rows', 'queue_entries', 'eviction_rows', 'queue_changes', 'prefix_sums',
+           'block_starts', 'block_similarities', 'block_size', 'tile_blocks', 'ChunkBuffers', 'scan_chunk', 'BankViews',
+           'score_one', 'chunk_size', 'steps_cheaper']
 
 # %% ../nbs/15_engine.ipynb
 import ctypes
@@ -347,9 +347,16 @@ CUDA_CHUNK_SIZE = 458_752  # images per chunk on a GPU: about 2 GiB of work arra
 CHUNK_CELLS = 2**22  # images × classes per chunk on a CPU, bounding the (N, C) work arrays: fewer images than CHUNK_SIZE for C > 64
 CUDA_CHUNK_CELLS = 2**23  # on a GPU: fewer images than CUDA_CHUNK_SIZE for C > 18
 STEP_MAX = 32  # batches up to this size take the step-by-step path
+STEP_WIDTH = 64  # on a CPU, longer batches step too where C exceeds this many classes per image of a block (measured on a 2-core CPU: steps win from about 25 to 100)
 
 def chunk_size(device, # device of the embeddings
                n_classes:int): # C
     "Images per chunk: `CHUNK_SIZE` (`CUDA_CHUNK_SIZE` on a GPU), fewer where the chunk's (N, C) arrays would pass their budget."
     size, cells = (CUDA_CHUNK_SIZE, CUDA_CHUNK_CELLS) if torch.device(device).type == "cuda" else (CHUNK_SIZE, CHUNK_CELLS)
     return max(min(size, cells // n_classes), 1)
+
+def steps_cheaper(n_classes:int, # C
+                  bank_size:int, # M
+                  device): # where the bank lives
+    "Whether the step path beats the engine on long batches: on a CPU, where blocks are so short (at most M images) that each block's (C, d) window sums cost more per image than a step."
+    return torch.device(device).type != "cuda" and n_classes > STEP_WIDTH * block_size(bank_size, device)

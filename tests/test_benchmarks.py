@@ -221,3 +221,18 @@ def test_the_engine_benchmark_takes_any_cuda_device_for_a_gpu(monkeypatch, devic
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
     run.sync(device)
     assert run.on_gpu(device) == gpu and len(calls) == gpu
+
+
+def test_the_engine_benchmark_times_a_small_bank_both_ways(monkeypatch):
+    "run.py's many-classes row scores the same call as routed and forced through the engine; both give the same scores."
+    import torch
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import run
+    from proton import Proton, ProtonConfig
+    seen = []
+    monkeypatch.setattr(Proton, "score", lambda self, X, _s=Proton.score: seen.append(("routed", _s(self, X))))
+    monkeypatch.setattr(Proton, "_scan", lambda self, *a, _s=Proton._scan: seen.append(("engine", _s(self, *a))))
+    r = run.small_blocks(64, "cpu", n_classes=200, bank_size=2)
+    assert {k for k, _ in seen} == {"routed", "engine"} and r["routed_s"] > 0 and r["engine_s"] > 0
+    routed, engine = (next(v for k, v in seen if k == name) for name in ("routed", "engine"))
+    torch.testing.assert_close(routed, engine)

@@ -742,4 +742,5 @@ d = { 'settings': { 'branch': 'main',
                                'proton.scores.plain_number': ('scores.html#plain_number', 'proton/scores.py'),
                                'proton.scores.shared_direction': ('scores.html#shared_direction', 'proton/scores.py'),
                                'proton.scores.top_softmax': ('scores.html#top_softmax', 'proton/scores.py'),
+                               'proton.scores.whole_in_range': ('scores.html#whole_in_range', 'proton/scores.py'),
                                'proton.scores.zero_shot_logits': ('scores.html#zero_shot_logits', 'proton/scores.py')}}}

@@ -22,9 +22,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .detector import Proton, class_indices
+from .detector import MAX_BANK, MAX_WARMUP, Proton, class_indices
 from .metrics import float_array
-from .scores import as_unit_rows, plain_number, top_softmax, zero_shot_logits
+from .scores import as_unit_rows, plain_number, top_softmax, whole_in_range, zero_shot_logits
 
 # %% ../nbs/50_deploy.ipynb
 def _fsync_dir(path:Path):
@@ -163,8 +163,8 @@ class WarmupThreshold:
     def __init__(self,
                  warmup:int=200, # W, calibrated scores the threshold is read from; they are assumed to be ID (a clean start)
                  id_recall:float=0.95): # q, fraction of ID images that should pass unflagged
-        w, q = plain_number(warmup, whole=True), plain_number(id_recall)
-        if w is None or w < 2: raise ValueError(f"warmup must be an integer of at least 2, got {warmup!r}")
+        w, q = whole_in_range(warmup, "warmup", 2, MAX_WARMUP), plain_number(id_recall)
+        if w is None: raise ValueError(f"warmup must be an integer of at least 2, got {warmup!r}")
         if q is None or not 0 < q < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall!r}")
         self.warmup, self.id_recall = w, q
         self.seen, self.theta, self.mean, self.std, self.source = [], None, None, None, None
@@ -338,7 +338,7 @@ def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, f
     if e.size and (e.min() < 0 or e.max() > 1): raise ValueError(f"enqueued must be booleans or 0/1, got values in [{e.min()}, {e.max()}]")
     enqueued = e.astype(bool)
     if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
-    if plain_number(bank_size, whole=True) is None or bank_size < 1: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
+    if whole_in_range(bank_size, "bank_size", 1, MAX_BANK) is None: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
     n = plain_number(n_classes, whole=True)
     if n is None or n < 1: raise ValueError(f"n_classes must be a positive integer, got {n_classes!r}")
     predicted, bank_size = class_indices(predicted, n, "predicted classes").cpu().numpy(), int(bank_size)

@@ -4,8 +4,8 @@
 
 # %% auto 0
 __all__ = ['NUMPY_FLOATS', 'MIN_NORM', 'BASE_SCORES', 'as_tensor', 'as_rows', 'as_unit_rows', 'shared_direction', 'compute_dtype',
-           'zero_shot_logits', 'plain_number', 'check_temperature', 'top_softmax', 'mcm_score', 'max_logit_score',
-           'energy_score', 'entropy_score', 'get_base_score', 'classify', 'add_methods']
+           'zero_shot_logits', 'plain_number', 'whole_in_range', 'check_temperature', 'top_softmax', 'mcm_score',
+           'max_logit_score', 'energy_score', 'entropy_score', 'get_base_score', 'classify', 'add_methods']
 
 # %% ../nbs/10_scores.ipynb
 import math
@@ -116,6 +116,14 @@ def plain_number(value, # a Python, numpy or 0-d torch number
     if v.ndim or v.dtype.kind not in "iuf": return None
     if not whole: return float(v)
     return int(v) if float(v).is_integer() else None
+
+def whole_in_range(value, # a Python, numpy or 0-d torch number
+                   name:str, # the setting's name, for the message
+                   low:int, high:int): # the least and the most it may be
+    "`value` as an int if it is an integer from `low` to `high`; None if it is no integer; a `ValueError` naming `name` and the range if it is one outside it."
+    v = value if type(value) is int else plain_number(value, whole=True)  # a Python int past int64, which numpy cannot hold, is an integer all the same
+    if v is not None and not low <= v <= high: raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+    return v
 
 def check_temperature(temperature): # τ, from a configuration, a cache or a model
     "`temperature` as a float; a `ValueError` unless it is a positive, finite real number whose 2/τ float32 can hold (logits reach ±1/τ, a rounding more, and differ by up to 2/τ)."

@@ -491,7 +491,7 @@ def test_a_decompression_bomb_is_named(clip, tmp_path, monkeypatch):
 
 
 def test_bad_arguments(clip, data):
-    with pytest.raises(ValueError, match="batch_size must be an integer of at least 1"): extract(clip, data, batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="batch_size must be an integer from 1 to 65536, got 0"): extract(clip, data, batch_size=0, progress=False)
     with pytest.raises(ValueError, match="shard_size"): extract(clip, data, shard_size=1.5, progress=False)
     with pytest.raises(ValueError, match="the model runs on cpu"): extract(clip, data, device="cuda", progress=False)
 
@@ -648,9 +648,9 @@ open(f"{str(tmp_path)}/rank{{dist.get_rank()}}.txt", "w").write(cache.content_ha
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["--batch-size", "0"], {}, "batch_size must be an integer of at least 1, got 0"),
-    (["--shard-size", "0"], {}, "shard_size must be an integer of at least 1, got 0"),
-    (["--workers", "-1"], {}, "num_workers must be an integer of at least 0, got -1"),
+    (["--batch-size", "0"], {}, "batch_size must be an integer from 1 to 65536, got 0"),
+    (["--shard-size", "0"], {}, "shard_size must be an integer from 1 to 1048576, got 0"),
+    (["--workers", "-1"], {}, "num_workers must be an integer from 0 to 1024, got -1"),
     (["--worker-share", "2"], {}, "worker_share must be a number from 0 to 1"),
     (["--prompt-sets", "nope.json"], {}, "no prompt file at nope.json"),
     ([], {"SOURCE_DATE_EPOCH": "abc"}, "SOURCE_DATE_EPOCH must be an integer number of seconds, got 'abc'"),
@@ -665,6 +665,22 @@ def test_bad_options_are_named_before_the_model_loads(data, tmp_path, monkeypatc
     out = [] if "--out" in args else ["--out", str(tmp_path / "c.npz")]
     assert module.extract_main(["--model", MODEL, "--data", str(data), "--device", "cpu", "--no-progress", *out, *args]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, name, low, high", [("--batch-size", "batch_size", 1, 2**16), ("--shard-size", "shard_size", 1, 2**20),
+                                                   ("--workers", "num_workers", 0, 1024)])
+@pytest.mark.parametrize("past", [False, True])
+def test_a_size_past_its_bound_is_refused_in_one_line_before_the_model_loads(data, tmp_path, monkeypatch, capsys, flag, name, low, high, past):
+    "--workers 1000000 went on to start a million DataLoader processes; past int64 the line said 'must be an integer of at least 1' of one."
+    monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the options were checked"))
+    v = 10**20 if past else high + 1
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--device", "cpu", "--no-progress", flag, str(v)]) == 1
+    assert capsys.readouterr().err == f"proton-ood extract: error: {name} must be an integer from {low} to {high}, got {v}\n"
+    assert not list(tmp_path.iterdir()), "no cache, shard or lock"
+
+
+def test_sizes_at_their_bound_pass_the_check(data, tmp_path):
+    ex.check_extract(data, out=tmp_path / "c.npz", batch_size=2**16, num_workers=1024, shard_size=2**20)
 
 
 @pytest.mark.parametrize("rename, to, said", [  # "\udce4": a latin-1 "ä" (byte 0xe4) on disk, as os.fsdecode reads it

@@ -100,7 +100,7 @@ def test_base_scores_at_the_bound_keep_the_running_variance_finite(n):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(gamma=0.0), "gamma must be in"), (dict(gamma=1.5), "gamma must be in"),
     (dict(bank_size=4, k_min=5), "bank_size must be an integer at least k_min"),
-    (dict(k_min=0), "k_min must be a positive integer"),
+    (dict(k_min=0), "k_min must be an integer from 1 to 1048576, got 0"),
     (dict(temperature=0.0), "temperature must be positive"), (dict(temperature=-1.0), "temperature must be positive"),
     (dict(temperature=float("inf")), "temperature must be positive and finite"),
     (dict(alpha_min=0.9, alpha_max=0.7), "alpha_min <= alpha_max"),
@@ -113,6 +113,30 @@ def test_base_scores_at_the_bound_keep_the_running_variance_finite(n):
 ])
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message): ProtonConfig(**kwargs)
+
+
+BIG = 10**20  # an integer, but past int64: numpy cannot hold it
+
+
+def _threshold(w):
+    from proton.deploy import WarmupThreshold
+    return WarmupThreshold(warmup=w)
+
+
+def _audit(m):
+    from proton.deploy import bank_audit
+    return bank_audit([0], [True], 1, m)
+
+
+@pytest.mark.parametrize("make, name, low, high", [(lambda v: ProtonConfig(k_min=v, bank_size=2**20), "k_min", 1, 2**20),
+                                                   (lambda v: ProtonConfig(bank_size=v), "bank_size", 1, 2**20),
+                                                   (lambda v: ProtonConfig(warmup=v), "warmup", 0, 2**24),
+                                                   (_threshold, "warmup", 2, 2**24), (_audit, "bank_size", 1, 2**20)])
+def test_a_size_outside_its_range_is_refused_with_the_range(make, name, low, high):
+    "Nothing bounded them: bank_size=10**12 reached the allocator, warmup=10**12 was taken; past int64 the message called an integer no integer."
+    for v in (high + 1, BIG, low - 1):
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer from {low} to {high}, got {v}$"): make(v)
+    make(high)  # the bound itself passes the check (no bank is allocated here)
 
 
 @settings(max_examples=40, deadline=None)
@@ -305,8 +329,8 @@ def test_a_warm_up_refuses_calibration_flags_that_do_not_match_the_scores(calibr
     assert thr.seen == [] and thr.theta is None
 
 
-@pytest.mark.parametrize("predicted, bank_size, message", [([0, 0, 1], 0, "bank_size must be a positive integer, got 0"),
-                                                          ([0, 0, 1], -1, "bank_size must be a positive integer, got -1"),
+@pytest.mark.parametrize("predicted, bank_size, message", [([0, 0, 1], 0, "bank_size must be an integer from 1 to 1048576, got 0"),
+                                                          ([0, 0, 1], -1, "bank_size must be an integer from 1 to 1048576, got -1"),
                                                           ([0.9, 1.9, 0.], 5, "predicted classes must be integers"),
                                                           ([True, False, True], 5, "predicted classes must be integers")])
 def test_a_bank_audit_refuses_what_no_bank_could_hold(predicted, bank_size, message):
@@ -442,8 +466,9 @@ def test_an_empty_loader_gives_empty_arrays():
 @pytest.mark.parametrize("size", [10**11, 10**17])
 def test_a_bank_too_large_for_memory_is_named_with_its_size(size):
     "--bank-size 100000000000 failed with the allocator's message, which names neither the bank nor the setting; 10**17, with torch's size overflow."
+    from proton.bank import PrototypeBank  # ProtonConfig now refuses such an M (past MAX_BANK); a bank within it can still outgrow memory with many classes
     with pytest.raises(ValueError, match=rf"a bank of 3 queues of {size} entries of dimension 16 needs [\d,.]+ GiB.*choose a smaller bank_size"):
-        Proton(T, ProtonConfig(bank_size=size, k_min=2, temperature=0.2))
+        PrototypeBank(3, 16, size)
 
 
 def test_the_openood_postprocessor_is_one_of_openoods_when_openood_is_installed(monkeypatch):

@@ -499,10 +499,10 @@ def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, m
     assert (tmp_path / "r.csv").stat().st_size == size > 0
 
 
-@pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be a positive integer, got 0"),
+@pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be an integer from 1 to 65536, got 0"),
                                          (dict(batch_size=2.5), "batch_size must be a positive integer, got 2.5"),
                                          (dict(device="tpu"), "unknown device 'tpu'"),
-                                         (dict(warmup=1), "warmup must be an integer of at least 2"),
+                                         (dict(warmup=1), "warmup must be an integer from 2 to 16777216, got 1"),
                                          (dict(id_recall=1.5), r"id_recall must be in \(0, 1\)"),
                                          (dict(drift_h=0), "need k >= 0 and h > 0")])
 def test_a_bad_argument_stops_the_run_before_it_writes_a_stream(tmp_path, bad, message):
@@ -610,7 +610,7 @@ def test_images_read_in_parallel_threads_give_the_rows_of_one_thread(tmp_path, r
         with pytest.warns(UserWarning, match="1 of 9 images could not be read"):
             run_images(folder, tmp_path / f"w{workers}.csv", random_vlm, chunk_size=5, workers=workers)
     assert (tmp_path / "w1.csv").read_text() == (tmp_path / "w4.csv").read_text()
-    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"): run_images(folder, tmp_path / "w0.csv", random_vlm, workers=0)
+    with pytest.raises(ValueError, match="workers must be an integer from 1 to 1024, got 0"): run_images(folder, tmp_path / "w0.csv", random_vlm, workers=0)
     with pytest.raises(ValueError, match=r"cannot read image .*4\.png"): run_images(folder, tmp_path / "s.csv", random_vlm, workers=4, strict=True)
 
 
@@ -702,6 +702,23 @@ def test_a_zip_of_images_is_named_as_an_archive_to_unpack(tmp_path):
     with zipfile.ZipFile(tmp_path / "images.zip", "w") as z: z.write(folder / "0.png", "0.png")
     with pytest.raises(ValueError, match=r"images\.zip is a zip archive, not an embedding cache: unpack it into a folder"):
         score_stream(tmp_path / "images.zip", tmp_path / "r.csv", "open_clip:ViT-S-32/none", "a,b", progress=False)
+
+
+@pytest.mark.parametrize("flag, name, low, high", [("--bank-size", "bank_size", 1, 2**20), ("--k-min", "k_min", 1, 2**20), ("--warmup", "warmup", 2, 2**24),
+                                                   ("--chunk-size", "chunk_size", 1, 2**16), ("--batch-size", "batch_size", 1, 2**16), ("--workers", "workers", 1, 1024)])
+@pytest.mark.parametrize("past", [False, True])
+def test_the_command_refuses_a_size_past_its_bound_in_one_line(tmp_path, capsys, flag, name, low, high, past):
+    "--workers 1000000 or --bank-size 10**12 was taken (threads, a bank the allocator refused); past int64 the line said 'must be a positive integer'."
+    from proton.cli import main
+    cache, v = cache_file(tmp_path / "c.npz", 20), 10**20 if past else high + 1
+    assert main(["score", str(cache), "--out", str(tmp_path / "r.csv"), "--no-progress", flag, str(v)]) == 1
+    assert capsys.readouterr().err == f"proton-ood score: error: {name} must be an integer from {low} to {high}, got {v}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"], "no results, state or lock file"
+
+
+def test_sizes_at_their_bound_are_taken(tmp_path):
+    cache = cache_file(tmp_path / "c.npz", 20)
+    assert score_stream(cache, tmp_path / "r.csv", warmup=2**24, chunk_size=2**16, batch_size=2**16, workers=1024, progress=False) == (20, 20)
 
 
 def test_the_command_says_where_the_stream_stands(tmp_path, capsys):

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from ..deploy import CusumDrift, Monitor, WarmupThreshold, bank_audit, check_writable, hold_lock, remove_temporaries, replace_atomically, same_file, save_state, torch_load_safely
-from ..detector import Proton, ProtonConfig
-from ..scores import plain_number
+from ..detector import MAX_BANK, MAX_WARMUP, Proton, ProtonConfig
+from ..scores import whole_in_range
 from . import model_device
 from ..bench.cache import not_utf8
-from .extract import _about, _prompt_list, _say, first_repeat, default_workers, file_sha256, read_prompt_file, resolve_prompts
+from .extract import MAX_BATCH, MAX_WORKERS, _about, _prompt_list, _say, first_repeat, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import _named, read_image, spec_weights
 
@@ -368,8 +368,8 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  progress:bool=True): # show a progress bar
     "Score the images of `source` not yet in `out`, in stream order, continuing its stream; returns (new rows, all rows)."
     workers = default_workers() if workers is None else workers
-    for name, v in (("chunk_size", chunk_size), ("batch_size", batch_size), ("workers", workers)):
-        if plain_number(v, whole=True) is None or v < 1: raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    for name, v, high in (("chunk_size", chunk_size, MAX_BATCH), ("batch_size", batch_size, MAX_BATCH), ("workers", workers, MAX_WORKERS)):  # a chunk's images are read into memory at once, as a batch's
+        if whole_in_range(v, name, 1, high) is None: raise ValueError(f"{name} must be a positive integer, got {v!r}")
     chunk_size, batch_size, workers = int(chunk_size), int(batch_size), int(workers)
     threshold, drift = WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # a new stream's; built here, their checks come before a lock or a file
     results, source = Results(out), Path(source)
@@ -496,16 +496,16 @@ def _parser():
     p.add_argument("--order", default=None, choices=ORDERS, help="stream order: by name (a folder's default), modification time, or the list's (a list's default)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
     p.add_argument("--gamma", type=float, default=ProtonConfig.gamma, help="γ, confidence to enter the bank")
-    p.add_argument("--bank-size", type=int, default=ProtonConfig.bank_size, help="M, images per class queue")
-    p.add_argument("--k-min", type=int, default=ProtonConfig.k_min, help="K_min, images every class needs before prototypes are used")
-    p.add_argument("--warmup", type=int, default=200, help="W, calibrated images the threshold is read from (assumed ID)")
+    p.add_argument("--bank-size", type=int, default=ProtonConfig.bank_size, help=f"M, images per class queue, at most {MAX_BANK}")
+    p.add_argument("--k-min", type=int, default=ProtonConfig.k_min, help="K_min, images every class needs before prototypes are used, at most M")
+    p.add_argument("--warmup", type=int, default=200, help=f"W, calibrated images the threshold is read from (assumed ID), at most {MAX_WARMUP}")
     p.add_argument("--id-recall", type=float, default=0.95, help="q: the threshold is the q-quantile of the warm-up's scores")
     p.add_argument("--reference", default=None, help="scores of known-ID images (a results file of score with the same model, weights, classes and detector settings, or one a line): the threshold comes from them")
     p.add_argument("--drift-k", type=float, default=0.5, help="CUSUM allowance, in standard deviations")
     p.add_argument("--drift-h", type=float, default=5., help="CUSUM decision level, in standard deviations")
-    p.add_argument("--chunk-size", type=int, default=256, help="images per committed chunk")
-    p.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
-    p.add_argument("--workers", type=int, default=None, help="threads that read and preprocess images (default: CPUs, at most 16)")
+    p.add_argument("--chunk-size", type=int, default=256, help=f"images per committed chunk, at most {MAX_BATCH}")
+    p.add_argument("--batch-size", type=int, default=32, help=f"images per forward pass, at most {MAX_BATCH}")
+    p.add_argument("--workers", type=int, default=None, help=f"threads that read and preprocess images, at most {MAX_WORKERS} (default: CPUs, at most 16)")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable image (default: leave it out, say so, try it again next run)")
     p.add_argument("--audit", default=None, help="also write the bank audit (class, slot, path, index) to this CSV file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

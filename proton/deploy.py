@@ -339,11 +339,11 @@ def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, f
     enqueued = e.astype(bool)
     if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
     if whole_in_range(bank_size, "bank_size", 1, MAX_BANK) is None: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
-    n = plain_number(n_classes, whole=True)
-    if n is None or n < 1: raise ValueError(f"n_classes must be a positive integer, got {n_classes!r}")
+    n = whole_in_range(n_classes, "n_classes", 1, 2**63 - 1)  # a class index is an int64
+    if n is None: raise ValueError(f"n_classes must be a positive integer, got {n_classes!r}")
     predicted, bank_size = class_indices(predicted, n, "predicted classes").cpu().numpy(), int(bank_size)
     out = []
-    for c in range(n):
+    for c in np.unique(predicted[enqueued]):  # the classes that hold entries, in order: not every one of C
         held = np.flatnonzero(enqueued & (predicted == c))[-bank_size:]
-        out += [(c, slot, int(t)) for slot, t in enumerate(held)]
+        out += [(int(c), slot, int(t)) for slot, t in enumerate(held)]
     return out

@@ -347,12 +347,24 @@ def test_a_bank_audit_refuses_enqueued_flags_that_are_not_booleans(enqueued, got
     assert bank_audit([0, 1], [0, 1], 2, 3) == bank_audit([0, 1], [False, True], 2, 3) == [(1, 0, 1)]
 
 
-@pytest.mark.parametrize("n_classes", [None, "2", -1, 0, 2.5, True])
-def test_a_bank_audit_refuses_a_number_of_classes_that_is_no_positive_integer(n_classes):
+@pytest.mark.parametrize("n_classes, message", [(None, "a positive integer"), ("2", "a positive integer"), (2.5, "a positive integer"), (True, "a positive integer"),
+                                                (-1, f"an integer from 1 to {2**63 - 1}"), (0, f"an integer from 1 to {2**63 - 1}")])
+def test_a_bank_audit_refuses_a_number_of_classes_that_is_no_positive_integer(n_classes, message):
     "n_classes went unchecked: 2.0, None and '2' met raw TypeErrors, and -1 gave an empty audit without a word."
     from proton.deploy import bank_audit
-    with pytest.raises(ValueError, match=re.escape(f"n_classes must be a positive integer, got {n_classes!r}")): bank_audit([], [], n_classes, 3)
+    with pytest.raises(ValueError, match=re.escape(f"n_classes must be {message}, got {n_classes!r}")): bank_audit([], [], n_classes, 3)
     assert bank_audit([0, 1], [True, True], 2.0, 3) == bank_audit([0, 1], [True, True], 2, 3) == [(0, 0, 0), (1, 0, 1)]
+
+
+def test_a_bank_audit_of_very_many_classes_visits_only_those_seen():
+    "bank_audit looped over every class up to n_classes: 10^9 classes took minutes for a three-image stream, and 10^20 was 'no positive integer'."
+    import signal
+    from proton.deploy import bank_audit
+    def stuck(*_): raise TimeoutError("bank_audit still looping after 20 s")
+    old = signal.signal(signal.SIGALRM, stuck); signal.alarm(20)
+    try: assert bank_audit([7, 3, 7], [True, True, True], 10**9, 3) == [(3, 0, 1), (7, 0, 0), (7, 1, 2)]
+    finally: signal.alarm(0); signal.signal(signal.SIGALRM, old)
+    with pytest.raises(ValueError, match=re.escape(f"n_classes must be an integer from 1 to {2**63 - 1}, got {10**20}")): bank_audit([0], [True], 10**20, 3)
 
 
 def test_bfloat16_scores_are_scores():

@@ -1036,3 +1036,17 @@ def test_under_torchrun_an_error_before_the_process_group_is_printed_though_rank
                     "ex.check_extract = late\nfrom proton.cli import main\nsys.exit(main())\n")
     run = torchrun(["--data", str(make_prepared(tmp_path / "d")), "--out", str(tmp_path / "c.npz"), "--prompts", "a,b,c"], tmp_path, command=slow)
     assert run.returncode == 1 and errors_of(run) and all("got 3 prompts for 2 classes" in l for l in errors_of(run)), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device, want", [("cuda", [("set_device", "cuda:1"), ("init", "nccl")]), ("cpu", [("init", "gloo")])])
+def test_torchrun_puts_each_rank_on_its_own_gpu_before_it_joins(monkeypatch, device, want):
+    "NCCL's object collectives (all_gather_object, broadcast_object_list) run on the current CUDA device: without set_device every rank's was cuda:0, which NCCL refuses for two ranks ('Duplicate GPU detected')."
+    import torch.distributed as dist
+    from proton.models import extract as ex
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2"); monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(torch.device(d)))))
+    assert ex._join_torchrun(device) == ("cuda:1" if device == "cuda" else "cpu")
+    assert calls == want

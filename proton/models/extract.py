@@ -945,8 +945,9 @@ def _join_torchrun(device:str): # the device asked for
     import torch.distributed as dist
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized(): return device
     cuda = torch.device(device).type == "cuda"
+    if cuda: torch.cuda.set_device(device := f"cuda:{os.environ.get('LOCAL_RANK', '0')}")  # NCCL's object collectives run on the current device: one GPU a rank
     dist.init_process_group("nccl" if cuda else "gloo")
-    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else device
+    return device
 
 def _say(text:str, # a line to print
          file=None): # where it goes; None: stdout

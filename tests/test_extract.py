@@ -743,6 +743,18 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(clip, da
     assert same_cache(extract(clip, data, out=out, **RUN), reference[1])  # the lock is free again
 
 
+def test_a_link_to_the_cache_and_its_target_share_one_lock_and_one_shard_folder(clip, data, reference, tmp_path, monkeypatch):
+    "The lock was named after --out as typed: link.npz and the target.npz it points to took two locks, and two runs could write one cache."
+    from proton.deploy import hold_lock
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    link = tmp_path / "link.npz"
+    link.symlink_to("target.npz")
+    with hold_lock(tmp_path / "target.npz.lock"):  # as a run on target.npz holds it
+        with pytest.raises(OSError, match=r"^another extract is writing .*link\.npz \(it holds target\.npz\.lock\)"): extract(clip, data, out=link, **RUN)
+    assert same_cache(extract(clip, data, out=link, keep_shards=True, **RUN), reference[1])
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link.npz", "target.npz", "target.npz.shards"]
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="the lock is POSIX's flock")
 def test_a_killed_runs_lock_is_free_at_once_while_the_children_it_forked_live(tmp_path):
     "DataLoader workers forked under `hold_lock` shared its flock and kept it about 5 s after a SIGKILLed extract: a rerun was told 'another extract is writing'. A forked child now closes its copy, and the lock stays its holder's alone."

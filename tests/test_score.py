@@ -486,6 +486,16 @@ def test_a_second_run_on_the_same_results_is_refused_while_the_first_writes(tmp_
     assert run(cache, out) == (100, 100)  # the lock goes with its process
 
 
+def test_a_link_to_the_results_and_its_target_share_one_lock_and_one_state(tmp_path):
+    "The lock, state and journal were named after --out as typed: link.csv and the target.csv it points to took two locks, and two runs could append to one file."
+    cache, link, target = cache_file(tmp_path / "c.npz", 100), tmp_path / "link.csv", tmp_path / "target.csv"
+    link.symlink_to("target.csv")
+    with Results(link).lock():
+        with pytest.raises(ValueError, match=r"^another run is writing .*target\.csv \(it holds target\.csv\.lock\)"): run(cache, target)
+    assert run(cache, link) == (100, 100) and run(cache, target) == (0, 100)  # one stream, whichever name
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "link.csv", "target.csv", "target.csv.lock", "target.csv.state.pt"]
+
+
 def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, monkeypatch):
     "`write_audit` may run while a run appends: it reads the committed rows and leaves the rest of the file to the run that wrote it."
     cache = cache_file(tmp_path / "c.npz", 200)

@@ -147,7 +147,8 @@ class Results:
             try: import pyarrow, pyarrow.parquet
             except ImportError: raise ImportError(f"writing {self.out.name} needs pyarrow: pip install pyarrow, or write a .csv file") from None
         elif self.out.suffix.lower() != ".csv": raise ValueError(f"the results file must end in .csv or .parquet, got {self.out.name or repr(os.fspath(out))}")
-        beside = lambda suffix: self.out.with_name(self.out.name + suffix)
+        real = self.out.resolve()  # a link's target, which `replace_atomically` and the appends write: a link and its target are one stream, under one lock
+        beside = lambda suffix: real.with_name(real.name + suffix)
         self.state_path, self.lock_path, self.journal = beside(".state.pt"), beside(".lock"), beside(".journal")
         if not self.out.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {self.out.parent} is not a folder")
         self.appended = self.journal if self.parquet else self.out  # the file a chunk's rows are appended to

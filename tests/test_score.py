@@ -509,6 +509,20 @@ def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, m
     assert (tmp_path / "r.csv").stat().st_size == size > 0
 
 
+def test_the_temporary_file_of_a_killed_audit_write_is_removed_by_the_next_but_not_a_live_ones(tmp_path):
+    "write_audit took no lock, so it could not tell a killed write's temporary from a live one's: a killed audit write left `.a.csv.<12 hex>.tmp` for good."
+    from proton.deploy import hold_lock
+    out, audit = tmp_path / "r.csv", tmp_path / "a.csv"
+    run(cache_file(tmp_path / "c.npz", 100), out)
+    stale = tmp_path / ".a.csv.0123456789ab.tmp"; stale.write_text("a killed audit write's")
+    write_audit(out, audit)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "c.npz", "r.csv", "r.csv.lock", "r.csv.state.pt"]  # nor a lock left behind
+    live = tmp_path / ".a.csv.ba9876543210.tmp"; live.write_text("being written")
+    with hold_lock(tmp_path / "a.csv.lock"):  # as another run writing the audit holds it
+        with pytest.raises(ValueError, match=r"^another run is writing the audit .*a\.csv \(it holds a\.csv\.lock\)"): write_audit(out, audit)
+    assert live.read_text() == "being written"
+
+
 @pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be a positive integer, got 0"),
                                          (dict(batch_size=2.5), "batch_size must be a positive integer, got 2.5"),
                                          (dict(device="tpu"), "unknown device 'tpu'"),

@@ -481,7 +481,12 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
     if saved is None: raise ValueError(f"no scored stream at {out}")
     audit = audit_rows(rows, saved["settings"]["classes"], saved["settings"]["config"]["bank_size"])
     text = csv_text([["class", "slot", "path", "index"], *audit])
-    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # yesterday's audit stays whole until today's is
+    lock = Path(f"{Path(path).resolve()}.lock")  # the audit's own, beside the file a link points to: a run may audit a stream that another appends to
+    with contextlib.ExitStack() as held:
+        try: held.enter_context(hold_lock(lock, remove=not lock.exists()))  # a file of that name that was there stays
+        except BlockingIOError: raise ValueError(f"another run is writing the audit {path} (it holds {lock.name}); wait for it to end") from None
+        remove_temporaries(path)  # those a killed audit write left: no live write's, while the lock is held
+        replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # yesterday's audit stays whole until today's is
     return audit
 
 # %% ../../nbs/47_score.ipynb

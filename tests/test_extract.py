@@ -472,6 +472,18 @@ def test_unreadable_images_are_skipped_and_reported_or_refused_in_strict_mode(cl
     with pytest.raises(ValueError, match="cannot read image .*coffee.jpg"): extract(clip, root, strict=True, **RUN)
 
 
+def test_an_unreadable_images_recorded_error_does_not_depend_on_how_the_folder_was_named(clip, tmp_path, monkeypatch):
+    "PIL's error names the file as it was opened: the folder named relatively and absolutely gave two caches, and a resumed run mixed both spellings."
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    monkeypatch.chdir(tmp_path)
+    root = make_prepared(tmp_path / "d", split=False)
+    (root / "far/tench/chelsea.jpg").write_bytes(b"not an image")
+    with pytest.warns(UserWarning, match="1 of 12 images could not be read"): relative = extract(clip, "d", **RUN)
+    with pytest.warns(UserWarning, match="1 of 12 images could not be read"): absolute = extract(clip, root, **RUN)
+    assert relative.metadata["skipped_files"] == [dict(file="far/tench/chelsea.jpg", error="UnidentifiedImageError: cannot identify image file 'far/tench/chelsea.jpg'")]
+    assert relative.content_hash() == absolute.content_hash()
+
+
 def test_an_unreadable_image_is_named_once_in_the_strict_error(clip, tmp_path):
     "PIL's error names the file itself: 'cannot read image P: cannot identify image file 'P'', read from the image or from a kept shard."
     root = make_prepared(tmp_path / "d", split=False)

@@ -223,13 +223,14 @@ class ImageFiles(torch.utils.data.Dataset):
         p = None if self.pixels is None else self.pixels(image)
         return self.preprocess(image) if p is None else p
     def __getitem__(self, i:int):
-        "(image tensor, "" ) for a readable file, uint8 pixels or floats; (zeros, the error) for one that is not, unless `strict`."
+        "(image tensor, "" ) for a readable file, uint8 pixels or floats; (zeros, the error, naming the file relative to `root`) for one that is not, unless `strict`."
         path = self.root / self.files[i]
         try: return self._prepare(read_image(path)), ""
         except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, ValueError (DICOM, PIL's size limit), ...
             if self.strict: raise ValueError(f"cannot read image {_named(path, e)}") from e
             zeros = torch.zeros(self.shape, dtype=torch.float32 if self.pixels is None else torch.uint8)  # a pixel batch stays one
-            return zeros, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            text = str(e).replace(repr(str(path)), repr(self.files[i])).replace(str(path), self.files[i])  # the file as the folder names it (PIL's text quotes the path opened)
+            return zeros, f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 # %% ../../nbs/43_extract.ipynb
 def stack_images(images:list): # (3, H, W) tensors: uint8 pixels or preprocessed floats

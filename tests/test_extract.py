@@ -472,6 +472,18 @@ def test_unreadable_images_are_skipped_and_reported_or_refused_in_strict_mode(cl
     with pytest.raises(ValueError, match="cannot read image .*coffee.jpg"): extract(clip, root, strict=True, **RUN)
 
 
+def test_an_unreadable_images_recorded_error_does_not_depend_on_how_the_folder_was_named(clip, tmp_path, monkeypatch):
+    "PIL's error names the file as it was opened: the folder named relatively and absolutely gave two caches, and a resumed run mixed both spellings."
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    monkeypatch.chdir(tmp_path)
+    root = make_prepared(tmp_path / "d", split=False)
+    (root / "far/tench/chelsea.jpg").write_bytes(b"not an image")
+    with pytest.warns(UserWarning, match="1 of 12 images could not be read"): relative = extract(clip, "d", **RUN)
+    with pytest.warns(UserWarning, match="1 of 12 images could not be read"): absolute = extract(clip, root, **RUN)
+    assert relative.metadata["skipped_files"] == [dict(file="far/tench/chelsea.jpg", error="UnidentifiedImageError: cannot identify image file 'far/tench/chelsea.jpg'")]
+    assert relative.content_hash() == absolute.content_hash()
+
+
 def test_an_unreadable_image_is_named_once_in_the_strict_error(clip, tmp_path):
     "PIL's error names the file itself: 'cannot read image P: cannot identify image file 'P'', read from the image or from a kept shard."
     root = make_prepared(tmp_path / "d", split=False)
@@ -757,6 +769,18 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_writes(clip, da
     assert same_cache(first["cache"], reference[1]) and same_cache(EmbeddingCache.load(out), reference[1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.npz"]  # no lock, no shards left behind
     assert same_cache(extract(clip, data, out=out, **RUN), reference[1])  # the lock is free again
+
+
+def test_a_link_to_the_cache_and_its_target_share_one_lock_and_one_shard_folder(clip, data, reference, tmp_path, monkeypatch):
+    "The lock was named after --out as typed: link.npz and the target.npz it points to took two locks, and two runs could write one cache."
+    from proton.deploy import hold_lock
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    link = tmp_path / "link.npz"
+    link.symlink_to("target.npz")
+    with hold_lock(tmp_path / "target.npz.lock"):  # as a run on target.npz holds it
+        with pytest.raises(OSError, match=r"^another extract is writing .*link\.npz \(it holds target\.npz\.lock\)"): extract(clip, data, out=link, **RUN)
+    assert same_cache(extract(clip, data, out=link, keep_shards=True, **RUN), reference[1])
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link.npz", "target.npz", "target.npz.shards"]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the lock is POSIX's flock")

@@ -152,6 +152,17 @@ def test_a_later_domain_that_cannot_load_its_model_stops_the_run_before_the_firs
     assert not list((tmp_path / "report").rglob("*.npz")), "no cache was extracted"
 
 
+def test_a_run_whose_extraction_fails_leaves_no_report_folder(tmp_path, capsys):
+    "tables/ and figures/ were made once the models were checked, before extraction: a prepared folder it could not read left them behind, empty."
+    from proton.cli import main
+    make_domain(tmp_path / "data" / "ophthalmology", prompt_sets=False)
+    (tmp_path / "data" / "ophthalmology" / "classes.json").write_text("{not json")
+    assert main(["reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "report"), "--model", MODEL, "--no-progress", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("proton-ood reproduce: error: ") and "classes.json is not valid JSON" in err and "\n" not in err, err
+    assert not (tmp_path / "report").exists(), sorted(p.name for p in (tmp_path / "report").rglob("*"))
+
+
 def test_a_mistyped_open_clip_tag_stops_the_run_before_the_first_domain_extracts(tmp_path, capsys):
     "open_clip found the tag unknown only when radiology's turn came, after ophthalmology's extraction."
     from proton.cli import main

@@ -486,6 +486,16 @@ def test_a_second_run_on_the_same_results_is_refused_while_the_first_writes(tmp_
     assert run(cache, out) == (100, 100)  # the lock goes with its process
 
 
+def test_a_link_to_the_results_and_its_target_share_one_lock_and_one_state(tmp_path):
+    "The lock, state and journal were named after --out as typed: link.csv and the target.csv it points to took two locks, and two runs could append to one file."
+    cache, link, target = cache_file(tmp_path / "c.npz", 100), tmp_path / "link.csv", tmp_path / "target.csv"
+    link.symlink_to("target.csv")
+    with Results(link).lock():
+        with pytest.raises(ValueError, match=r"^another run is writing .*target\.csv \(it holds target\.csv\.lock\)"): run(cache, target)
+    assert run(cache, link) == (100, 100) and run(cache, target) == (0, 100)  # one stream, whichever name
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "link.csv", "target.csv", "target.csv.lock", "target.csv.state.pt"]
+
+
 def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, monkeypatch):
     "`write_audit` may run while a run appends: it reads the committed rows and leaves the rest of the file to the run that wrote it."
     cache = cache_file(tmp_path / "c.npz", 200)
@@ -497,6 +507,20 @@ def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, m
     size = (tmp_path / "r.csv").stat().st_size
     assert len(write_audit(tmp_path / "r.csv", tmp_path / "a.csv")) == 0  # no committed row yet
     assert (tmp_path / "r.csv").stat().st_size == size > 0
+
+
+def test_the_temporary_file_of_a_killed_audit_write_is_removed_by_the_next_but_not_a_live_ones(tmp_path):
+    "write_audit took no lock, so it could not tell a killed write's temporary from a live one's: a killed audit write left `.a.csv.<12 hex>.tmp` for good."
+    from proton.deploy import hold_lock
+    out, audit = tmp_path / "r.csv", tmp_path / "a.csv"
+    run(cache_file(tmp_path / "c.npz", 100), out)
+    stale = tmp_path / ".a.csv.0123456789ab.tmp"; stale.write_text("a killed audit write's")
+    write_audit(out, audit)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "c.npz", "r.csv", "r.csv.lock", "r.csv.state.pt"]  # nor a lock left behind
+    live = tmp_path / ".a.csv.ba9876543210.tmp"; live.write_text("being written")
+    with hold_lock(tmp_path / "a.csv.lock"):  # as another run writing the audit holds it
+        with pytest.raises(ValueError, match=r"^another run is writing the audit .*a\.csv \(it holds a\.csv\.lock\)"): write_audit(out, audit)
+    assert live.read_text() == "being written"
 
 
 @pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be an integer from 1 to 65536, got 0"),

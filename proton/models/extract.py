@@ -223,13 +223,14 @@ class ImageFiles(torch.utils.data.Dataset):
         p = None if self.pixels is None else self.pixels(image)
         return self.preprocess(image) if p is None else p
     def __getitem__(self, i:int):
-        "(image tensor, "" ) for a readable file, uint8 pixels or floats; (zeros, the error) for one that is not, unless `strict`."
+        "(image tensor, "" ) for a readable file, uint8 pixels or floats; (zeros, the error, naming the file relative to `root`) for one that is not, unless `strict`."
         path = self.root / self.files[i]
         try: return self._prepare(read_image(path)), ""
         except Exception as e:  # OSError, SyntaxError for some malformed PNG headers, ValueError (DICOM, PIL's size limit), ...
             if self.strict: raise ValueError(f"cannot read image {_named(path, e)}") from e
             zeros = torch.zeros(self.shape, dtype=torch.float32 if self.pixels is None else torch.uint8)  # a pixel batch stays one
-            return zeros, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            text = str(e).replace(repr(str(path)), repr(self.files[i])).replace(str(path), self.files[i])  # the file as the folder names it (PIL's text quotes the path opened)
+            return zeros, f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 # %% ../../nbs/43_extract.ipynb
 def stack_images(images:list): # (3, H, W) tensors: uint8 pixels or preprocessed floats
@@ -706,6 +707,11 @@ def _together(error, # this rank's error, or None
     failed = [e for e in gather(None if error is None else _portable(error)) if e is not None]
     if failed: raise _every_rank(failed[0] if error is None else error)
 
+def _beside(out, # the cache file
+            suffix:str): # ".lock" or ".shards"
+    "The run's lock or shard folder: beside the file `out` links to, where the cache is written (`replace_atomically`), so that a link and its target share them."
+    return Path(f"{Path(out).resolve()}{suffix}")
+
 @contextlib.contextmanager
 def _writing(out, # the cache file the run writes, or None
              rank:int, broadcast, barrier): # this process's rank and the process group's broadcast and barrier, from `_distributed`
@@ -715,8 +721,8 @@ def _writing(out, # the cache file the run writes, or None
             busy = None
             if out is not None and rank == 0:
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
-                try: held.enter_context(hold_lock(f"{out}.lock", remove=True))
-                except BlockingIOError: busy = f"another extract is writing {out} (it holds {Path(out).name}.lock); wait for it to end, or choose another --out"
+                try: held.enter_context(hold_lock(_beside(out, ".lock"), remove=True))
+                except BlockingIOError: busy = f"another extract is writing {out} (it holds {_beside(out, '.lock').name}); wait for it to end, or choose another --out"
                 else: remove_temporaries(out)  # a killed run's partial cache
             busy = broadcast(busy)
             if busy: raise _every_rank(OSError(busy))
@@ -764,7 +770,7 @@ def _check_out(out, # the cache file
                data, # the prepared folder: nothing of the run goes inside it
                inputs:dict): # {what it is: path} of the other files the run reads; None paths left out
     "Refuse a cache file, or its shard folder or lock, that would lie inside the prepared folder, or overwrite or hold what the run reads."
-    for w in (Path(out), Path(f"{out}.shards"), Path(f"{out}.lock")):  # the shards and the lock are removed when the run ends
+    for w in (Path(out), _beside(out, ".shards"), _beside(out, ".lock")):  # the shards and the lock are removed when the run ends
         whose = "" if w == Path(out) else f"'s {'shard folder' if w.suffix == '.shards' else 'lock'} {w}"
         if Path(data).resolve() in w.resolve().parents:
             raise ValueError(f"the cache {out}{whose} would write inside the prepared folder {data}; choose another file for the cache")
@@ -849,7 +855,7 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     rank, world, barrier, broadcast, gather = _distributed()
     with _writing(out, rank, broadcast, barrier):  # one run at a time writes `out`
         scratch = tempfile.TemporaryDirectory(prefix="proton-shards-") if out is None and rank == 0 else None  # one, shared by every rank
-        shards = Path(f"{out}.shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
+        shards = _beside(out, ".shards") if out is not None else Path(broadcast(scratch.name if scratch else None))
         try:
             if rank == 0:
                 if not resume: shutil.rmtree(shards, ignore_errors=True)

@@ -366,12 +366,12 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
             continue
         try: check_vlm(model, checkpoint, model_device(device), tokenizer)
         except (ValueError, OSError) as e: raise type(e)(f"{d}: {e}") from None
-    for sub in ("tables", "figures"): (out / sub).mkdir(parents=True, exist_ok=True)
     loaded, records = {}, {}
     for d in present:
         path, loaded[d] = reused.get(d) or domain_cache(d, data / d, caches, *spec(d), device, amp, progress)
         records[d] = _cache_record(path, loaded[d], data / d)
     tables, raw, notes = paper_results(loaded, n_permutations, progress)
+    for sub in ("tables", "figures"): (out / sub).mkdir(parents=True, exist_ok=True)  # only now: a run that failed before leaves none
     notes |= {f"domain {d}": f"not run: no prepared folder {data / d}" for d in DOMAINS if d not in present} | NOT_MADE
     figures = {}
     if made := _attempt("figure3a", lambda: figure3a(loaded, out / "figures" / "figure3a.png"), notes): figures["figure3a"] = made

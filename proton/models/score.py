@@ -147,7 +147,8 @@ class Results:
             try: import pyarrow, pyarrow.parquet
             except ImportError: raise ImportError(f"writing {self.out.name} needs pyarrow: pip install pyarrow, or write a .csv file") from None
         elif self.out.suffix.lower() != ".csv": raise ValueError(f"the results file must end in .csv or .parquet, got {self.out.name or repr(os.fspath(out))}")
-        beside = lambda suffix: self.out.with_name(self.out.name + suffix)
+        real = self.out.resolve()  # a link's target, which `replace_atomically` and the appends write: a link and its target are one stream, under one lock
+        beside = lambda suffix: real.with_name(real.name + suffix)
         self.state_path, self.lock_path, self.journal = beside(".state.pt"), beside(".lock"), beside(".journal")
         if not self.out.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {self.out.parent} is not a folder")
         self.appended = self.journal if self.parquet else self.out  # the file a chunk's rows are appended to
@@ -480,7 +481,12 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
     if saved is None: raise ValueError(f"no scored stream at {out}")
     audit = audit_rows(rows, saved["settings"]["classes"], saved["settings"]["config"]["bank_size"])
     text = csv_text([["class", "slot", "path", "index"], *audit])
-    replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # yesterday's audit stays whole until today's is
+    lock = Path(f"{Path(path).resolve()}.lock")  # the audit's own, beside the file a link points to: a run may audit a stream that another appends to
+    with contextlib.ExitStack() as held:
+        try: held.enter_context(hold_lock(lock, remove=not lock.exists()))  # a file of that name that was there stays
+        except BlockingIOError: raise ValueError(f"another run is writing the audit {path} (it holds {lock.name}); wait for it to end") from None
+        remove_temporaries(path)  # those a killed audit write left: no live write's, while the lock is held
+        replace_atomically(path, lambda f: f.write(text.encode("utf-8")))  # yesterday's audit stays whole until today's is
     return audit
 
 # %% ../../nbs/47_score.ipynb

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .detector import Proton
+from .detector import Proton, model_device
 
 # %% ../nbs/51_interop.ipynb
 def _features_detector():
@@ -40,10 +40,11 @@ def _detector_class():
         def predict(self, x:Tensor):
             if self.encoder is None: raise ModelNotSetException("ProtonDetector.predict needs an encoder; use predict_features on embeddings")
             with torch.no_grad(): return self.predict_features(self.encoder(x))
-        def to(self, device): # "cpu", "cuda", "cuda:1" or a torch.device
-            "Move the wrapped `Proton`, its stream state included, then what pytorch-ood moves itself (an encoder that is a module)."
-            self.detector.to(device)
-            return super().to(device)
+        def to(self, device): # "cpu", "cuda", "cuda:1", a torch.device, or None: CUDA where there is one, as `Proton.to`
+            "Move the wrapped `Proton`, its stream state included, then what pytorch-ood moves itself (an encoder that is a module); a device it cannot use is refused before anything moves."
+            d = model_device(device)
+            self.detector.to(d)
+            return super().to(d)
     return ProtonDetector
 
 def _empty_detector():
@@ -56,6 +57,7 @@ def pytorch_ood_detector(detector:Proton, # the PROTON detector to wrap; its str
     "PROTON as a pytorch-ood `FeaturesDetector`: larger scores mean more OOD, as pytorch-ood expects."
     cls = _detector_class()
     if not isinstance(detector, Proton): raise TypeError(f"detector must be a Proton, got {type(detector).__name__}")
+    if not (encoder is None or callable(encoder)): raise TypeError(f"encoder must be callable (model inputs -> (B, d) embeddings) or None, got {type(encoder).__name__}")
     return cls(detector, encoder)
 
 # %% ../nbs/51_interop.ipynb
@@ -64,6 +66,30 @@ def _openood_base():
     try: from openood.postprocessors import BasePostprocessor
     except ImportError: return object
     return BasePostprocessor
+
+def _images(n:int): return f"{n} image{'s' * (n != 1)}"
+
+def _tensor(x, # a batch's 'data' or 'label'
+            i:int, # the batch's index in the loader
+            key:str): # 'data' or 'label', for the message
+    "`x` as a tensor, or a one-line `ValueError` naming the batch and what it got."
+    try: return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError):
+        got = f"ndarray of dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"batch {i}: '{key}' must be a tensor or a numeric array, got {got}") from None
+
+def _batch(batch, # one batch of an OpenOOD loader
+           i:int): # its index in the loader
+    "(data, labels) of a batch as tensors, one label per image, or a one-line `ValueError` naming the batch and the problem."
+    if not isinstance(batch, dict) or not {"data", "label"} <= batch.keys():
+        got = f"a dict without {' and '.join(repr(k) for k in ('data', 'label') if k not in batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
+        raise ValueError(f"batch {i} is {got}; batches must be dicts with 'data' and 'label', as OpenOOD's loaders yield")
+    data, label = _tensor(batch["data"], i, "data"), _tensor(batch["label"], i, "label")
+    if data.ndim == 0: raise ValueError(f"batch {i}: 'data' is a scalar, not a batch of images")
+    n = len(data)
+    if label.ndim != 1: raise ValueError(f"batch {i} has labels of shape {tuple(label.shape)} for {_images(n)}: one label per image is shape ({n},)")
+    if len(label) != n: raise ValueError(f"batch {i} has {len(label)} label{'s' * (len(label) != 1)} for {_images(n)}")
+    return data, label
 
 class OpenOODPostprocessor(_openood_base()):
     "PROTON with OpenOOD's post-processor calling convention: confidences, larger meaning more ID."
@@ -80,14 +106,22 @@ class OpenOODPostprocessor(_openood_base()):
         parts = self.detector.score(_refuse_tuple(net(data), "net(data) returned"), return_parts=True)
         return parts.predicted, -parts.score
     def inference(self, net, data_loader, progress:bool=True):
-        "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays, predictions and labels as ints; each batch goes to the device of `net`'s weights."
+        "Predictions, confidences and labels of every batch of `data_loader` (dicts with 'data' and 'label'), as numpy arrays, predictions and labels as ints; each batch goes to the device of `net`'s weights. All or nothing: on any failure the detector is as it was before the call."
         from tqdm.auto import tqdm
         device = next((p.device for p in net.parameters()), None) if isinstance(net, torch.nn.Module) else None
-        preds, confs, labels = [], [], []
-        for batch in tqdm(data_loader, disable=not progress):
-            data = batch["data"] if device is None else batch["data"].to(device)  # as OpenOOD's evaluator moves it to the GPU
-            pred, conf = self.postprocess(net, data)
-            preds.append(pred.cpu()); confs.append(conf.cpu()); labels.append(torch.as_tensor(batch["label"]).cpu())
-        if not preds: return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)  # an empty loader
+        long = torch.zeros(0, dtype=torch.long)
+        preds, confs, labels = [long], [torch.zeros(0, dtype=self.detector.dtype)], [long]  # an empty loader gives empty arrays, confidences in the detector's dtype
+        saved = self.detector._snapshot()
+        try:
+            for i, batch in enumerate(tqdm(data_loader, disable=not progress)):
+                data, label = _batch(batch, i)
+                if device is not None: data = data.to(device)  # as OpenOOD's evaluator moves it to the GPU
+                try: pred, conf = self.postprocess(net, data)
+                except ValueError as e: raise ValueError(f"batch {i}: {e}") from None
+                if len(pred) != len(label): raise ValueError(f"batch {i}: net returned {len(pred)} embeddings for {_images(len(label))}")
+                preds.append(pred.cpu()); confs.append(conf.cpu()); labels.append(label.cpu())
+        except BaseException:
+            self.detector._restore(saved)
+            raise
         preds, confs, labels = (torch.cat(x).numpy() for x in (preds, confs, labels))
         return preds.astype(int), confs, labels.astype(int)  # integers whatever the loader's dtype, as OpenOOD's `BasePostprocessor` casts them

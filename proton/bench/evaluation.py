@@ -314,12 +314,18 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     why = f"held_out_fraction={held_out_fraction}: no labelled ID split to fit it on"
     if held_out_fraction and (cache.shift == "id").sum() < 2:  # too few to split; the streams report the missing ID images
         why, held_out_fraction = f"only {(cache.shift == 'id').sum()} ID images, too few for a held-out split", 0
-    if (fits := _FITS.get()) is not None: fits.setdefault(id(cache), set()).add((held_out_fraction or 0, _fitted_on(cache, fit, held_out_fraction)))
     with torch_threads(threads):
         if fit: test, held_out = cache, HeldOut(cache.fit_embeddings, cache.fit_labels)
         else: test, held_out, _ = carve_held_out(cache, held_out_fraction, seed)
         prepared = _Prepared(test, held_out, prompt_text_embeddings, misroute(test, misrouted, seed) if misrouted else None)
         runnable, skipped = _runnable(prepared, variants, why)
+        privileged = any(METHODS[name].privileged for name, _ in runnable.values())
+        if held_out_fraction and not privileged:  # none could be fitted on the held-out share: the streams take it back
+            test, held_out_fraction = cache, 0
+            prepared = _Prepared(test, None, prompt_text_embeddings, misroute(test, misrouted, seed) if misrouted else None)
+            runnable, more = _runnable(prepared, runnable, why)
+            skipped += more
+        if (fits := _FITS.get()) is not None: fits.setdefault(id(cache), set()).add((held_out_fraction or 0, _fitted_on(cache, fit and privileged, held_out_fraction)))
         streams, no_stream = _streams(test, shifts, n_permutations=int(n_permutations), seed=seed, rho=rho, order=order,
                                       warmup=warmup, sample_seed=seed)
         if not streams: raise ValueError("nothing to evaluate: no shift has a stream: " + "; ".join(no_stream))  # the cause, not the methods

@@ -77,8 +77,12 @@ def _check_labels(labels, shift, n_classes):
 # %% ../../nbs/20_cache.ipynb
 def _check_lengths(X:np.ndarray, # (N, d) embeddings
                    name:str): # the field they come from
-    "Raise, naming the rows, unless every row of `X` can be L2-normalised."
-    short = np.flatnonzero(np.linalg.norm(X.astype(np.float64), axis=1) < MIN_NORM)
+    "Raise, naming the rows, unless every row of `X` can be L2-normalised in the dtype it is computed in."
+    dtype = np.float64 if X.dtype.itemsize >= 8 else np.float32  # as `compute_dtype`: float64 for float64 and wider, else float32
+    with np.errstate(over="ignore"): norms = np.linalg.norm(X.astype(dtype, copy=False), axis=1)  # an overflow is refused below
+    long = np.flatnonzero(norms == np.inf)
+    if len(long): raise ValueError(f"{name} rows {long[:5].tolist()} are too long to normalise in {np.dtype(dtype)}: their length overflows; scale them down")
+    short = np.flatnonzero(norms < MIN_NORM)
     if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length or a length below {MIN_NORM:g} (MIN_NORM), and cannot be L2-normalised")
 
 def _check_directions(E:np.ndarray, # (N, d) image embeddings

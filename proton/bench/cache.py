@@ -209,8 +209,11 @@ add_methods(EmbeddingCache, dim=property(lambda self: self.image_embeddings.shap
 add_methods(EmbeddingCache, shifts_present=property(_shifts_present))
 
 def _ood_shifts(self:EmbeddingCache, shifts=None): # a shift name, a list of them, or None: every OOD shift in the cache
-    "The OOD shifts an experiment runs, as a list; an error when the cache has none to offer."
-    if shifts is not None: return [shifts] if isinstance(shifts, str) else list(shifts)
+    "The OOD shifts an experiment runs, as a list without repeats; an error when the cache has none to offer or `shifts` names none."
+    if shifts is not None:
+        named = list(dict.fromkeys([shifts] if isinstance(shifts, str) else shifts))  # a shift named twice runs once, as in `evaluate`
+        if not named: raise ValueError("shifts is empty: name at least one OOD shift, or give None for every one in the cache")
+        return named
     found = [s for s in self.shifts_present if s != "id"]
     if not found: raise ValueError(f"the cache has no OOD images (shifts present: {self.shifts_present})")
     return found

@@ -531,3 +531,16 @@ def test_a_cache_with_a_fit_split_records_no_fit_where_no_privileged_method_ran(
     assert fits[id(fitted)] == {(0, "none: no ID image held out, the streams keep them all")}, fits
     with evaluation._fits() as fits: quiet_evaluate(fitted, ["mcm", "knn_id"], shifts="far", n_permutations=1)
     assert fits[id(fitted)] == {(0, "fit split, 20 images")}, fits
+
+
+def test_a_privileged_method_skipped_for_too_few_images_says_so_in_the_users_terms(cache):
+    "'k must be an integer between 1 and the bank size 2, got 10' named a k the user never set; the reason now says what is missing."
+    first = lambda n: cache.subset((cache.shift != "id") | (np.cumsum(cache.shift == "id") <= n))  # n ID images
+    _, messages = quiet_evaluate(first(10), ["mcm", "knn_id"], shifts="far", n_permutations=1)
+    assert any("knn_id (the held-out split (20% of the cache's 10 ID images) holds 2 images; kNN-ID needs at least k = 10)" in m for m in messages), messages
+    _, messages = quiet_evaluate(first(5), ["mcm", "mahalanobis_id"], shifts="far", n_permutations=1)
+    assert any("mahalanobis_id (the held-out split (20% of the cache's 5 ID images) holds 1 image of 1 class; "
+               "Mahalanobis-ID needs more images than classes)" in m for m in messages), messages
+    fitted = replace(cache, fit_embeddings=cache.image_embeddings[:4], fit_labels=np.maximum(cache.labels[:4], 0))
+    _, messages = quiet_evaluate(fitted, ["mcm", "knn_id"], shifts="far", n_permutations=1)
+    assert any("knn_id (the cache's fit split holds 4 images; kNN-ID needs at least k = 10)" in m for m in messages), messages

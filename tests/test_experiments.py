@@ -240,3 +240,11 @@ def test_a_shift_named_twice_runs_once_and_no_shift_at_all_is_named(run):
     twice, once = run(cache, shifts=["semantic", "semantic"], **options), run(cache, shifts=["semantic"], **options)
     for a, b in zip(*((twice, once) if run is figure1 else ((twice,), (once,)))): pd.testing.assert_frame_equal(a, b)
     with pytest.raises(ValueError, match=r"^shifts is empty: name at least one OOD shift"): run(cache, shifts=[], **options)
+
+
+def test_an_id_first_order_with_too_few_id_images_says_what_is_missing():
+    "robustness skipped id_first with 'warmup must be an integer in [0, 30] ..., got 50', a warmup the user never set."
+    with pytest.warns(UserWarning) as caught: robustness(tiny_cache(n_id=30), rhos=(), misrouted=(), n_permutations=1, progress=False)
+    said = " ".join(str(w.message) for w in caught)
+    assert "order id_first skipped" in said and "the id_first order needs 50 leading ID images (warmup), the stream has 30" in said, said
+    assert "warmup must be" not in said

@@ -13,14 +13,18 @@ from .scores import plain_number
 # %% ../nbs/16_metrics.ipynb
 def float_array(x, # numpy, torch (any device or dtype, bfloat16 too) or a list
                 name:str): # what it holds, for the message
-    "`x` as a float64 numpy array; a `ValueError` naming it unless it holds real numbers."
-    if hasattr(x, "detach"):  # a torch tensor; numpy has no bfloat16, so it goes over as float64
+    "`x` as a float64 numpy array; a `ValueError` naming it unless it holds real numbers that float64 keeps apart."
+    if hasattr(x, "detach"):  # a torch tensor; numpy has no bfloat16, so floats go over as float64 (exactly), integers as they are
         x = x.detach().cpu()
         if x.is_complex(): raise ValueError(f"{name} must be real numbers, got dtype {x.dtype}")
-        x = x.double()
+        if x.is_floating_point(): x = x.double()
     try: a = np.asarray(x)
     except ValueError: raise ValueError(f"{name} must be a numeric array or tensor, got {type(x).__name__}") from None  # a ragged list: numpy's message names no argument
     if a.dtype.kind not in "biuf": raise ValueError(f"{name} must be real numbers, got dtype {a.dtype}")
+    if a.dtype.kind in "iu" and a.size and (a.max() > 2**53 or a.min() < -2**53):  # float64 rounds them: distinct scores could tie
+        raise ValueError(f"{name} holds integers beyond 2**53 in magnitude, which float64 rounds, so their order could be lost; subtract an offset or rank them first")
+    if a.dtype.kind == "f" and a.dtype.itemsize > 8 and ((a.astype(np.float64) != a) & (a == a)).any():  # a long double finer than float64; NaN is named later
+        raise ValueError(f"{name} holds {a.dtype} values that float64 cannot hold exactly, so their order could be lost; rank them first")
     return a.astype(np.float64)
 
 def _scores_1d(x, name):

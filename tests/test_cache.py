@@ -474,3 +474,17 @@ def test_many_classes_are_checked_for_shared_directions_in_little_memory():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == ("text_embeddings rows 7 and 2999 point the same way: "
                                                       "two classes with one text embedding cannot be told apart"), r.stderr[-500:]
+
+
+@pytest.mark.parametrize("dtype, scale", [(np.float64, 1e160), (np.float32, 1e20)])
+def test_rows_whose_length_overflows_their_dtype_are_refused_at_construction(dtype, scale):
+    "float64 rows of 1e160 and float32 rows of 1e20 were accepted (numpy's overflow warning only) and failed later in evaluate."
+    import warnings
+    E = small().image_embeddings.astype(dtype); E[[2, 5]] *= dtype(scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refusal, not numpy's RuntimeWarning
+        with pytest.raises(ValueError, match=rf"image_embeddings rows \[2, 5\] are too long to normalise in {np.dtype(dtype)}"):
+            small(image_embeddings=E)
+        F = small().image_embeddings[:3].astype(dtype); F[1] *= dtype(scale)
+        with pytest.raises(ValueError, match=rf"fit_embeddings rows \[1\] are too long"): small(fit_embeddings=F, fit_labels=[0, 1, 2])
+    assert small(image_embeddings=small().image_embeddings * np.float32(1e15)).image_embeddings.dtype == np.float32  # long, but within float32

@@ -510,3 +510,37 @@ def test_a_refused_run_leaves_no_new_folder(cache, tmp_path, capsys):
     path = cache.save(tmp_path / "c.npz")  # a run that goes ahead makes them
     assert evaluate_main([str(path), "--out", str(tmp_path / "new" / "sub" / "r.csv"), "--permutations", "1", "--no-progress"]) == 0
     assert sorted(p.name for p in (tmp_path / "new" / "sub").iterdir()) == ["r.csv", "r_protocol.json"]
+
+
+def test_a_privileged_method_that_cannot_be_fitted_holds_no_id_image_out(cache):
+    "kNN-ID asked for on 30 ID images holds 6 out, too few for k = 10: it was skipped, yet every stream had lost those 6 images."
+    few = cache.subset((cache.shift != "id") | (np.cumsum(cache.shift == "id") <= 30))
+    alone, _ = quiet_evaluate(few, ["mcm"], shifts="semantic", n_permutations=1, rho=None)
+    with evaluation._fits() as fits:
+        beside, messages = quiet_evaluate(few, ["mcm", "knn_id"], shifts="semantic", n_permutations=1, rho=None)
+    assert any(m.startswith("skipped knn_id") for m in messages), messages
+    pd.testing.assert_frame_equal(alone, beside)
+    assert set(beside.n_id) == {30}
+    assert fits[id(few)] == {(0, "none: no ID image held out, the streams keep them all")}, fits
+
+
+def test_a_cache_with_a_fit_split_records_no_fit_where_no_privileged_method_ran():
+    "A run of MCM and PROTON alone recorded that the privileged methods were fitted on the fit split."
+    fitted = EmbeddingCache.from_world(SyntheticWorld(seed=0), n_id=100, n_per_shift=50, n_fit=20)
+    with evaluation._fits() as fits: quiet_evaluate(fitted, ["mcm", "proton"], shifts="far", n_permutations=1)
+    assert fits[id(fitted)] == {(0, "none: no ID image held out, the streams keep them all")}, fits
+    with evaluation._fits() as fits: quiet_evaluate(fitted, ["mcm", "knn_id"], shifts="far", n_permutations=1)
+    assert fits[id(fitted)] == {(0, "fit split, 20 images")}, fits
+
+
+def test_a_privileged_method_skipped_for_too_few_images_says_so_in_the_users_terms(cache):
+    "'k must be an integer between 1 and the bank size 2, got 10' named a k the user never set; the reason now says what is missing."
+    first = lambda n: cache.subset((cache.shift != "id") | (np.cumsum(cache.shift == "id") <= n))  # n ID images
+    _, messages = quiet_evaluate(first(10), ["mcm", "knn_id"], shifts="far", n_permutations=1)
+    assert any("knn_id (the held-out split (20% of the cache's 10 ID images) holds 2 images; kNN-ID needs at least k = 10)" in m for m in messages), messages
+    _, messages = quiet_evaluate(first(5), ["mcm", "mahalanobis_id"], shifts="far", n_permutations=1)
+    assert any("mahalanobis_id (the held-out split (20% of the cache's 5 ID images) holds 1 image of 1 class; "
+               "Mahalanobis-ID needs more images than classes)" in m for m in messages), messages
+    fitted = replace(cache, fit_embeddings=cache.image_embeddings[:4], fit_labels=np.maximum(cache.labels[:4], 0))
+    _, messages = quiet_evaluate(fitted, ["mcm", "knn_id"], shifts="far", n_permutations=1)
+    assert any("knn_id (the cache's fit split holds 4 images; kNN-ID needs at least k = 10)" in m for m in messages), messages

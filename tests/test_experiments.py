@@ -230,3 +230,21 @@ def test_the_chapters_read_the_papers_text_numbers_from_reported():
         assert not [n for n in numbers if n in code], chapter
     assert REPORTED["triage_macro_f1"] == 0.70 and REPORTED["var_ref_mean_auroc"] == (69.8, 71.2)
     assert REPORTED["figure1"] == {"mcm_overlap": (51, 88), "caught_by_proto": (51, 91)}
+
+
+@pytest.mark.parametrize("run", [figure1, dynamics], ids=["figure1", "dynamics"])
+def test_a_shift_named_twice_runs_once_and_no_shift_at_all_is_named(run):
+    "shifts=['semantic', 'semantic'] doubled every row (figure1: n_id=120 for 60 ID images); shifts=[] raised pandas' 'No objects to concatenate'."
+    cache = tiny_cache()
+    options = dict(n_tsne=60, perplexity=8) if run is figure1 else dict(rho=None)
+    twice, once = run(cache, shifts=["semantic", "semantic"], **options), run(cache, shifts=["semantic"], **options)
+    for a, b in zip(*((twice, once) if run is figure1 else ((twice,), (once,)))): pd.testing.assert_frame_equal(a, b)
+    with pytest.raises(ValueError, match=r"^shifts is empty: name at least one OOD shift"): run(cache, shifts=[], **options)
+
+
+def test_an_id_first_order_with_too_few_id_images_says_what_is_missing():
+    "robustness skipped id_first with 'warmup must be an integer in [0, 30] ..., got 50', a warmup the user never set."
+    with pytest.warns(UserWarning) as caught: robustness(tiny_cache(n_id=30), rhos=(), misrouted=(), n_permutations=1, progress=False)
+    said = " ".join(str(w.message) for w in caught)
+    assert "order id_first skipped" in said and "the id_first order needs 50 leading ID images (warmup), the stream has 30" in said, said
+    assert "warmup must be" not in said

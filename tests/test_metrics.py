@@ -107,3 +107,18 @@ def test_every_metric_lies_in_0_1(n_id, n_ood, reversed_):
     s_id, s_ood = np.arange(n_id) - n_id, np.arange(n_ood) + 1.
     m = ood_metrics(*((s_ood, s_id) if reversed_ else (s_id, s_ood)))
     assert all(0 <= v <= 1 for v in m.values()), m
+
+
+def test_scores_float64_cannot_keep_apart_are_refused_by_name():
+    "Integers beyond 2**53 and long doubles were cast to float64 silently: ood_metrics([2**60, 2**60+1], [2**60+2, 2**60+3]) gave AUROC 0.5, not 1."
+    import torch
+    big = [2**60, 2**60 + 1], [2**60 + 2, 2**60 + 3]
+    with pytest.raises(ValueError, match=r"^scores_id holds integers beyond 2\*\*53"): ood_metrics(np.array(big[0]), np.array(big[1]))
+    with pytest.raises(ValueError, match=r"^scores_id holds integers beyond 2\*\*53"): ood_metrics(torch.tensor(big[0]), torch.tensor(big[1]))
+    assert ood_metrics(np.array(big[0]) - 2**60, np.array(big[1]) - 2**60)["auroc"] == 1.0  # the offset the message asks for
+    assert ood_metrics(torch.tensor([1, 2]), torch.tensor([3, 4]))["auroc"] == 1.0
+    if np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:  # a wider long double on this platform
+        one = np.longdouble(1)
+        with pytest.raises(ValueError, match=rf"^scores_ood holds {np.dtype(np.longdouble)} values that float64 cannot hold exactly"):
+            ood_metrics(np.array([one], np.longdouble), np.array([one + np.finfo(np.longdouble).eps], np.longdouble))
+        assert ood_metrics(np.array([0.1, 0.2], np.longdouble), np.array([0.3], np.longdouble))["auroc"] == 1.0  # float64 values: kept

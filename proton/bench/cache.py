@@ -77,8 +77,12 @@ def _check_labels(labels, shift, n_classes):
 # %% ../../nbs/20_cache.ipynb
 def _check_lengths(X:np.ndarray, # (N, d) embeddings
                    name:str): # the field they come from
-    "Raise, naming the rows, unless every row of `X` can be L2-normalised."
-    short = np.flatnonzero(np.linalg.norm(X.astype(np.float64), axis=1) < MIN_NORM)
+    "Raise, naming the rows, unless every row of `X` can be L2-normalised in the dtype it is computed in."
+    dtype = np.float64 if X.dtype.itemsize >= 8 else np.float32  # as `compute_dtype`: float64 for float64 and wider, else float32
+    with np.errstate(over="ignore"): norms = np.linalg.norm(X.astype(dtype, copy=False), axis=1)  # an overflow is refused below
+    long = np.flatnonzero(norms == np.inf)
+    if len(long): raise ValueError(f"{name} rows {long[:5].tolist()} are too long to normalise in {np.dtype(dtype)}: their length overflows; scale them down")
+    short = np.flatnonzero(norms < MIN_NORM)
     if len(short): raise ValueError(f"{name} rows {short[:5].tolist()} have zero length or a length below {MIN_NORM:g} (MIN_NORM), and cannot be L2-normalised")
 
 def _check_directions(E:np.ndarray, # (N, d) image embeddings
@@ -205,8 +209,11 @@ add_methods(EmbeddingCache, dim=property(lambda self: self.image_embeddings.shap
 add_methods(EmbeddingCache, shifts_present=property(_shifts_present))
 
 def _ood_shifts(self:EmbeddingCache, shifts=None): # a shift name, a list of them, or None: every OOD shift in the cache
-    "The OOD shifts an experiment runs, as a list; an error when the cache has none to offer."
-    if shifts is not None: return [shifts] if isinstance(shifts, str) else list(shifts)
+    "The OOD shifts an experiment runs, as a list without repeats; an error when the cache has none to offer or `shifts` names none."
+    if shifts is not None:
+        named = list(dict.fromkeys([shifts] if isinstance(shifts, str) else shifts))  # a shift named twice runs once, as in `evaluate`
+        if not named: raise ValueError("shifts is empty: name at least one OOD shift, or give None for every one in the cache")
+        return named
     found = [s for s in self.shifts_present if s != "id"]
     if not found: raise ValueError(f"the cache has no OOD images (shifts present: {self.shifts_present})")
     return found

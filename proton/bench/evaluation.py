@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, baseline_scores, prompt_set_for,
+from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, KNN_K, baseline_scores, prompt_set_for,
                                     routed_score, split_held_out, with_stand_ins)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
@@ -216,20 +216,28 @@ def _shifts(shifts):
     return shifts
 
 # %% ../../nbs/23_evaluation.ipynb
-def _missing(prepared:_Prepared, method:Method, why_no_held_out:str):
+def _too_small(name:str, held_out:HeldOut, split:str):
+    "Why the held-out split is too small to fit privileged baseline `name`, in the user's terms, or None."
+    n, k = len(held_out.embeddings), len(np.unique(np.asarray(held_out.labels)))
+    images, classes = f"{n} image{'s' * (n != 1)}", f"{k} class{'es' * (k != 1)}"
+    if name == "knn_id" and n < KNN_K: return f"{split} holds {images}; kNN-ID needs at least k = {KNN_K}"
+    if name == "mahalanobis_id" and n <= k: return f"{split} holds {images} of {classes}; Mahalanobis-ID needs more images than classes"
+
+def _missing(prepared:_Prepared, method:Method, why_no_held_out:str, split:str):
     "Why `method` cannot run on the prepared cache, or None."
     if "local_embeddings" in method.needs and prepared.cache.local_embeddings is None: return NO_LOCAL
     if "prompt_text_embeddings" in method.needs and prepared.prompts is None and not prepared.cache.prompt_set_names:
         return f"needs {NO_PROMPTS} or prompt sets in the cache"
     if method.privileged and prepared.held_out is None: return why_no_held_out
+    if method.privileged and (why := _too_small(method.baseline, prepared.held_out, split)): return why
     try: prepared.scores(method.baseline)
     except ValueError as e: return str(e)
 
-def _runnable(prepared:_Prepared, variants:dict, why_no_held_out:str):
-    "The variants that can run, and a reason for each of the others."
+def _runnable(prepared:_Prepared, variants:dict, why_no_held_out:str, split:str):
+    "The variants that can run, and a reason for each of the others (`split` says what the held-out split is, as the reasons name it)."
     ok, skipped = {}, []
     for label, (name, cfg) in variants.items():
-        why = _missing(prepared, METHODS[name], why_no_held_out)
+        why = _missing(prepared, METHODS[name], why_no_held_out, split)
         if why: skipped.append(f"{label} ({why})")
         else: ok[label] = (name, cfg)
     return ok, skipped
@@ -312,14 +320,22 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     fit = fit_split and cache.fit_labels is not None
     if fit or not any(METHODS[name].privileged for name, _ in variants.values()): held_out_fraction = 0  # streams keep every ID image
     why = f"held_out_fraction={held_out_fraction}: no labelled ID split to fit it on"
-    if held_out_fraction and (cache.shift == "id").sum() < 2:  # too few to split; the streams report the missing ID images
-        why, held_out_fraction = f"only {(cache.shift == 'id').sum()} ID images, too few for a held-out split", 0
-    if (fits := _FITS.get()) is not None: fits.setdefault(id(cache), set()).add((held_out_fraction or 0, _fitted_on(cache, fit, held_out_fraction)))
+    n_id = int((cache.shift == "id").sum())
+    split = "the cache's fit split" if fit else f"the held-out split ({held_out_fraction or 0:.0%} of the cache's {n_id} ID images)"
+    if held_out_fraction and n_id < 2:  # too few to split; the streams report the missing ID images
+        why, held_out_fraction = f"only {n_id} ID images, too few for a held-out split", 0
     with torch_threads(threads):
         if fit: test, held_out = cache, HeldOut(cache.fit_embeddings, cache.fit_labels)
         else: test, held_out, _ = carve_held_out(cache, held_out_fraction, seed)
         prepared = _Prepared(test, held_out, prompt_text_embeddings, misroute(test, misrouted, seed) if misrouted else None)
-        runnable, skipped = _runnable(prepared, variants, why)
+        runnable, skipped = _runnable(prepared, variants, why, split)
+        privileged = any(METHODS[name].privileged for name, _ in runnable.values())
+        if held_out_fraction and not privileged:  # none could be fitted on the held-out share: the streams take it back
+            test, held_out_fraction = cache, 0
+            prepared = _Prepared(test, None, prompt_text_embeddings, misroute(test, misrouted, seed) if misrouted else None)
+            runnable, more = _runnable(prepared, runnable, why, split)
+            skipped += more
+        if (fits := _FITS.get()) is not None: fits.setdefault(id(cache), set()).add((held_out_fraction or 0, _fitted_on(cache, fit and privileged, held_out_fraction)))
         streams, no_stream = _streams(test, shifts, n_permutations=int(n_permutations), seed=seed, rho=rho, order=order,
                                       warmup=warmup, sample_seed=seed)
         if not streams: raise ValueError("nothing to evaluate: no shift has a stream: " + "; ".join(no_stream))  # the cause, not the methods

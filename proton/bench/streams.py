@@ -78,8 +78,10 @@ def make_stream(cache:EmbeddingCache, # the embedding cache the stream draws fro
     seed, sample_seed = _seed(seed), _seed(sample_seed, "sample_seed")
     id_rows, ood_rows = _at_fraction(*_members(cache, shift), rho, sample_seed)
     w = plain_number(warmup, whole=True)
-    if order == "id_first" and (w is None or not 0 <= w <= len(id_rows)):
+    if order == "id_first" and (w is None or w < 0):
         raise ValueError(f"warmup must be an integer in [0, {len(id_rows)}] (the ID images of the stream), got {warmup!r}")
+    if order == "id_first" and w > len(id_rows):  # said as what is missing: a caller may never have set warmup
+        raise ValueError(f"the id_first order needs {w} leading ID images (warmup), the stream has {len(id_rows)}")
     indices = _arrange(id_rows, ood_rows, order, w or 0, np.random.default_rng(seed)).astype(np.int64)
     return Stream(indices, cache.shift[indices] != "id")
 

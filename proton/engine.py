@@ -359,4 +359,4 @@ def steps_cheaper(n_classes:int, # C
                   bank_size:int, # M
                   device): # where the bank lives
     "Whether the step path beats the engine on long batches: on a CPU, where blocks are so short (at most M images) that each block's (C, d) window sums cost more per image than a step."
-    return torch.device(device).type != "cuda" and n_classes > STEP_WIDTH * block_size(bank_size, device)
+    return torch.device(device).type == "cpu" and n_classes > STEP_WIDTH * block_size(bank_size, device)

@@ -80,16 +80,19 @@ def _tensor(x, # a batch's 'data' or 'label'
 
 def _batch(batch, # one batch of an OpenOOD loader
            i:int): # its index in the loader
-    "(data, labels) of a batch as tensors, one label per image, or a one-line `ValueError` naming the batch and the problem."
+    "(data, labels) of a batch, one label per image: numeric data as a tensor, other data (file names, a dict of inputs) as given, for `net`; or a one-line `ValueError` naming the batch and the problem."
     if not isinstance(batch, dict) or not {"data", "label"} <= batch.keys():
         got = f"a dict without {' and '.join(repr(k) for k in ('data', 'label') if k not in batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
         raise ValueError(f"batch {i} is {got}; batches must be dicts with 'data' and 'label', as OpenOOD's loaders yield")
-    data, label = _tensor(batch["data"], i, "data"), _tensor(batch["label"], i, "label")
-    if data.ndim == 0: raise ValueError(f"batch {i}: 'data' is a scalar, not a batch of images")
-    n = len(data)
-    if label.ndim != 1: raise ValueError(f"batch {i} has labels of shape {tuple(label.shape)} for {_images(n)}: one label per image is shape ({n},)")
-    if len(label) != n: raise ValueError(f"batch {i} has {len(label)} label{'s' * (len(label) != 1)} for {_images(n)}")
+    data, label = batch["data"], _tensor(batch["label"], i, "label")
+    if isinstance(data, np.ndarray): data = _tensor(data, i, "data")  # for every net, a module too
+    if isinstance(data, Tensor) and data.ndim == 0: raise ValueError(f"batch {i}: 'data' is a scalar, not a batch of images")
+    n = len(data) if isinstance(data, Tensor) else None  # other data: `net`'s embeddings count the images
+    if label.ndim != 1: raise ValueError(f"batch {i} has labels of shape {tuple(label.shape)}" + ("" if n is None else f" for {_images(n)}") + f": one label per image is shape ({'N' if n is None else n},)")
+    if n is not None and len(label) != n: raise ValueError(_label_count(i, len(label), n))
     return data, label
+
+def _label_count(i:int, labels:int, n:int): return f"batch {i} has {labels} label{'s' * (labels != 1)} for {_images(n)}"
 
 class OpenOODPostprocessor(_openood_base()):
     "PROTON with OpenOOD's post-processor calling convention: confidences, larger meaning more ID."
@@ -115,10 +118,10 @@ class OpenOODPostprocessor(_openood_base()):
         try:
             for i, batch in enumerate(tqdm(data_loader, disable=not progress)):
                 data, label = _batch(batch, i)
-                if device is not None: data = data.to(device)  # as OpenOOD's evaluator moves it to the GPU
+                if device is not None and isinstance(data, Tensor): data = data.to(device)  # as OpenOOD's evaluator moves it to the GPU
                 try: pred, conf = self.postprocess(net, data)
                 except ValueError as e: raise ValueError(f"batch {i}: {e}") from None
-                if len(pred) != len(label): raise ValueError(f"batch {i}: net returned {len(pred)} embeddings for {_images(len(label))}")
+                if len(pred) != len(label): raise ValueError(f"batch {i}: net returned {len(pred)} embeddings for {_images(len(label))}" if isinstance(data, Tensor) else _label_count(i, len(label), len(pred)))
                 preds.append(pred.cpu()); confs.append(conf.cpu()); labels.append(label.cpu())
         except BaseException:
             self.detector._restore(saved)

@@ -1074,3 +1074,10 @@ def test_torchrun_puts_each_rank_on_its_own_gpu_before_it_joins(monkeypatch, dev
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(torch.device(d)))))
     assert ex._join_torchrun(device) == ("cuda:1" if device == "cuda" else "cpu")
     assert calls == want
+
+
+def test_a_link_into_a_missing_folder_is_written_there(tmp_path):
+    "A link --out pointing into a folder that does not exist failed with '[Errno 2] No such file or directory: .../gone/t.npz.lock': extract made the link's folder, not its target's."
+    from proton.models.extract import _writing
+    link = tmp_path / "dl.npz"; link.symlink_to("gone/t.npz")
+    with _writing(link, 0, lambda x: x, lambda: None): assert (tmp_path / "gone" / "t.npz.lock").exists()

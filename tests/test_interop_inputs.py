@@ -169,3 +169,15 @@ def test_an_encoder_that_cannot_be_called_is_refused_when_the_detector_is_made()
     "encoder='not a model' was accepted, and predict failed with \"'str' object is not callable\"."
     with pytest.raises(TypeError, match=r"^encoder must be callable \(model inputs -> \(B, d\) embeddings\) or None, got str$"):
         pytorch_ood_detector(Proton(T, CFG), encoder="not a model")
+
+
+@pytest.mark.parametrize("wrap, net", [(lambda a, b: [f"img{i}" for i in range(a, b)], lambda names: E[[int(n[3:]) for n in names]]),
+                                       (lambda a, b: {"pixel_values": E[a:b]}, lambda inputs: inputs["pixel_values"])], ids=["file names", "dict of inputs"])
+def test_data_that_is_no_array_goes_to_a_net_that_takes_it(wrap, net):
+    "The batch checks refused 'data' that is no array ('must be a tensor or a numeric array, got list'), which a net that reads file names or a dict of inputs takes, and which inference passed through before."
+    got = OpenOODPostprocessor(Proton(T, CFG)).inference(net, [{"data": wrap(a, b), "label": torch.arange(a, b) % 3} for a, b in CUTS], False)
+    want = OpenOODPostprocessor(Proton(T, CFG)).inference(lambda x: x, loader(*CUTS, label=lambda a, b: torch.arange(a, b) % 3), False)
+    for a, b in zip(got, want): np.testing.assert_array_equal(a, b)
+    post = OpenOODPostprocessor(Proton(T, CFG))
+    with pytest.raises(ValueError, match=r"^batch 0 has 3 labels for 10 images$"): post.inference(net, [{"data": wrap(0, 10), "label": torch.zeros(3)}], False)
+    assert post.detector.welford.n == 0

@@ -163,6 +163,22 @@ def test_a_run_whose_extraction_fails_leaves_no_report_folder(tmp_path, capsys):
     assert not (tmp_path / "report").exists(), sorted(p.name for p in (tmp_path / "report").rglob("*"))
 
 
+@pytest.mark.parametrize("kind", ["file", "read-only folder"])
+def test_a_report_folder_it_cannot_write_is_refused_before_extraction(tmp_path, capsys, kind):
+    "Once tables/ and figures/ were made late, an --out that is a file (or a folder it cannot write) was found only after every cache was extracted and every experiment run."
+    from proton.cli import main
+    make_domain(tmp_path / "data" / "ophthalmology", prompt_sets=False)
+    out = tmp_path / "report"
+    if kind == "file": out.write_text("not a folder")
+    else: out.mkdir(); out.chmod(0o500)
+    if kind != "file" and os.access(out, os.W_OK): pytest.skip("root writes a read-only folder")
+    try: code = main(["reproduce", "--data", str(tmp_path / "data"), "--out", str(out), "--caches", str(tmp_path / "caches"), "--model", MODEL, "--no-progress", "--device", "cpu"])
+    finally: out.chmod(0o700) if kind != "file" else None
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("proton-ood reproduce: error: ") and str(out) in err and "\n" not in err, err
+    assert not (tmp_path / "caches").exists()  # nothing extracted
+
+
 def test_a_mistyped_open_clip_tag_stops_the_run_before_the_first_domain_extracts(tmp_path, capsys):
     "open_clip found the tag unknown only when radiology's turn came, after ophthalmology's extraction."
     from proton.cli import main

@@ -496,6 +496,25 @@ def test_a_link_to_the_results_and_its_target_share_one_lock_and_one_state(tmp_p
     assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "link.csv", "target.csv", "target.csv.lock", "target.csv.state.pt"]
 
 
+def test_a_stream_through_a_link_stays_one_when_an_empty_stream_is_discarded(tmp_path, monkeypatch):
+    "Results.discard unlinked --out as typed: through a link it removed the link, the next chunk wrote a plain link.csv, and its rows and the state beside target.csv parted for good."
+    cache, link, target = cache_file(tmp_path / "c.npz", 100), tmp_path / "link.csv", tmp_path / "target.csv"
+    link.symlink_to("target.csv")
+    commit = Results.commit
+    def killed(self, *a, **k): raise KeyboardInterrupt("killed before the first chunk was committed")
+    monkeypatch.setattr(Results, "commit", killed)
+    with pytest.raises(KeyboardInterrupt): run(cache, link)
+    monkeypatch.setattr(Results, "commit", commit)
+    assert run(cache, link, drift_h=4.) == (100, 100)  # other settings on a stream of 0 rows: it is discarded and begun anew
+    assert link.is_symlink() and run(cache, target, drift_h=4.) == (0, 100) and run(cache, link, drift_h=4.) == (0, 100)
+
+
+def test_a_link_into_a_missing_folder_is_named_as_typed(tmp_path):
+    "A link --out pointing into a folder that does not exist failed on the lock beside its target: '[Errno 2] No such file or directory: .../gone/t.csv.lock'."
+    link = tmp_path / "dl.csv"; link.symlink_to("gone/t.csv")
+    with pytest.raises(ValueError, match=r"^cannot write .*dl\.csv: .*gone \(where dl\.csv links\) is not a folder$"): Results(link)
+
+
 def test_the_audit_reads_the_committed_rows_without_cutting_the_file(tmp_path, monkeypatch):
     "`write_audit` may run while a run appends: it reads the committed rows and leaves the rest of the file to the run that wrote it."
     cache = cache_file(tmp_path / "c.npz", 200)

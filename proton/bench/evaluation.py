@@ -321,7 +321,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     if fit or not any(METHODS[name].privileged for name, _ in variants.values()): held_out_fraction = 0  # streams keep every ID image
     why = f"held_out_fraction={held_out_fraction}: no labelled ID split to fit it on"
     n_id = int((cache.shift == "id").sum())
-    split = "the cache's fit split" if fit else f"the held-out split ({held_out_fraction or 0:.0%} of the cache's {n_id} ID images)"
+    split = "the cache's fit split" if fit else f"the held-out split ({100 * (held_out_fraction or 0):.3g}% of the cache's {n_id} ID images)"
     if held_out_fraction and n_id < 2:  # too few to split; the streams report the missing ID images
         why, held_out_fraction = f"only {n_id} ID images, too few for a held-out split", 0
     with torch_threads(threads):

@@ -720,7 +720,7 @@ def _writing(out, # the cache file the run writes, or None
         with contextlib.ExitStack() as held:
             busy = None
             if out is not None and rank == 0:
-                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                _beside(out, "").parent.mkdir(parents=True, exist_ok=True)  # the folder of the file a link points to, where the lock and the cache go
                 try: held.enter_context(hold_lock(_beside(out, ".lock"), remove=True))
                 except BlockingIOError: busy = f"another extract is writing {out} (it holds {_beside(out, '.lock').name}); wait for it to end, or choose another --out"
                 else: remove_temporaries(out)  # a killed run's partial cache
@@ -912,7 +912,7 @@ def _parser():
     p = argparse.ArgumentParser(prog="proton-ood extract", description="Encode a prepared image folder with a VLM into an embedding cache.")
     p.add_argument("--model", required=True, help="flair, unimed-clip, quiltnet, or open_clip:<arch>/<pretrained> (pretrained 'none': random weights)")
     p.add_argument("--data", required=True, help="prepared folder: <shift>/<class>/<file>, classes.json, split.csv")
-    p.add_argument("--out", required=True, help="cache file to write (.npz); shards go to <out>.shards/")
+    p.add_argument("--out", required=True, help="cache file to write (.npz); shards go to <out>.shards/ (beside the file a link points to)")
     p.add_argument("--prompts", default=None, help="comma-separated prompts, one per class in label order, or a file "
                    "(one per line, or a .json file {class: [prompts]}); default: classes.json")
     p.add_argument("--prompt-sets", default=None, help="JSON file {set: {class: [prompts]}} of prompt sets for the prompt baselines "

@@ -26,6 +26,7 @@ from ..bench.experiments import PAPER, REPORTED, experiment
 from ..bench.experiments.cross_domain import DOMAIN_MODELS
 from ..bench.experiments.dynamics import dynamics, plot_convergence, trajectories
 from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
+from ..deploy import check_writable
 from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
 from .extract import SkippedImagesWarning, extract, file_sha256, images_fingerprint
@@ -356,6 +357,8 @@ def reproduce(data, # a folder with a prepared folder per domain: ophthalmology/
     present = [d for d in DOMAINS if (data / d).is_dir()]
     if not present: raise ValueError(f"no prepared folder in {data}: expected one or more of {', '.join(DOMAINS)} (the data scripts write them)")
     _check_report_needs()  # before any domain spends an hour extracting
+    if out.exists() and not out.is_dir(): raise NotADirectoryError(f"{out} is not a folder: --out names the report folder to write")
+    check_writable(out / "report.md")  # a folder it cannot write fails now, not once every cache is extracted; no folder is made
     caches = Path(caches) if caches else out / "caches"
     spec = lambda d: (_spec(models, d, "models") or DOMAINS[d].model, _spec(checkpoints, d, "checkpoints"), _spec(tokenizers, d, "tokenizers"))
     reused = {}

@@ -147,10 +147,11 @@ class Results:
             try: import pyarrow, pyarrow.parquet
             except ImportError: raise ImportError(f"writing {self.out.name} needs pyarrow: pip install pyarrow, or write a .csv file") from None
         elif self.out.suffix.lower() != ".csv": raise ValueError(f"the results file must end in .csv or .parquet, got {self.out.name or repr(os.fspath(out))}")
-        real = self.out.resolve()  # a link's target, which `replace_atomically` and the appends write: a link and its target are one stream, under one lock
+        self.real = real = self.out.resolve()  # a link's target, which `replace_atomically` and the appends write: a link and its target are one stream, under one lock
         beside = lambda suffix: real.with_name(real.name + suffix)
         self.state_path, self.lock_path, self.journal = beside(".state.pt"), beside(".lock"), beside(".journal")
         if not self.out.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {self.out.parent} is not a folder")
+        if not real.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {real.parent} (where {self.out.name} links) is not a folder")
         self.appended = self.journal if self.parquet else self.out  # the file a chunk's rows are appended to
 
     @contextlib.contextmanager
@@ -215,7 +216,7 @@ class Results:
 
     def discard(self):
         "Remove a stream that holds no rows: the results, then the state (a kill in between leaves a state of 0 rows, which loads)."
-        self.out.unlink(missing_ok=True); self.journal.unlink(missing_ok=True)
+        self.real.unlink(missing_ok=True); self.journal.unlink(missing_ok=True)  # the file a link points to: the link stays, one stream with its target
         self.state_path.unlink(missing_ok=True)
         self.saved = self.digest = None
 

@@ -707,9 +707,9 @@ def _together(error, # this rank's error, or None
     failed = [e for e in gather(None if error is None else _portable(error)) if e is not None]
     if failed: raise _every_rank(failed[0] if error is None else error)
 
-def _beside(out, # the cache file
-            suffix:str): # ".lock" or ".shards"
-    "The run's lock or shard folder: beside the file `out` links to, where the cache is written (`replace_atomically`), so that a link and its target share them."
+def _beside(out, # the file a run writes
+            suffix:str): # ".lock", ".shards", ...
+    "The run's lock or shard folder: beside the file `out` links to, where it is written (`replace_atomically`), so that a link and its target share them."
     return Path(f"{Path(out).resolve()}{suffix}")
 
 @contextlib.contextmanager
@@ -720,7 +720,7 @@ def _writing(out, # the cache file the run writes, or None
         with contextlib.ExitStack() as held:
             busy = None
             if out is not None and rank == 0:
-                _beside(out, "").parent.mkdir(parents=True, exist_ok=True)  # the folder of the file a link points to, where the lock and the cache go
+                Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)  # the folder of the file a link points to, where the lock and the cache go
                 try: held.enter_context(hold_lock(_beside(out, ".lock"), remove=True))
                 except BlockingIOError: busy = f"another extract is writing {out} (it holds {_beside(out, '.lock').name}); wait for it to end, or choose another --out"
                 else: remove_temporaries(out)  # a killed run's partial cache

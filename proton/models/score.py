@@ -29,7 +29,7 @@ from ..detector import MAX_BANK, MAX_WARMUP, Proton, ProtonConfig
 from ..scores import whole_in_range
 from . import model_device
 from ..bench.cache import not_utf8
-from .extract import MAX_BATCH, MAX_WORKERS, _about, _prompt_list, _say, first_repeat, default_workers, file_sha256, read_prompt_file, resolve_prompts
+from .extract import MAX_BATCH, MAX_WORKERS, _about, _beside, _prompt_list, _say, first_repeat, default_workers, file_sha256, read_prompt_file, resolve_prompts
 from ..bench.prepared import IMAGE_SUFFIXES, is_image_file
 from .vlm import _named, read_image, spec_weights
 
@@ -148,7 +148,7 @@ class Results:
             except ImportError: raise ImportError(f"writing {self.out.name} needs pyarrow: pip install pyarrow, or write a .csv file") from None
         elif self.out.suffix.lower() != ".csv": raise ValueError(f"the results file must end in .csv or .parquet, got {self.out.name or repr(os.fspath(out))}")
         self.real = real = self.out.resolve()  # a link's target, which `replace_atomically` and the appends write: a link and its target are one stream, under one lock
-        beside = lambda suffix: real.with_name(real.name + suffix)
+        beside = lambda suffix: _beside(real, suffix)
         self.state_path, self.lock_path, self.journal = beside(".state.pt"), beside(".lock"), beside(".journal")
         if not self.out.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {self.out.parent} is not a folder")
         if not real.parent.is_dir(): raise ValueError(f"cannot write {self.out}: {real.parent} (where {self.out.name} links) is not a folder")
@@ -482,7 +482,7 @@ def write_audit(out:str|os.PathLike, # the results file of `score_stream`
     if saved is None: raise ValueError(f"no scored stream at {out}")
     audit = audit_rows(rows, saved["settings"]["classes"], saved["settings"]["config"]["bank_size"])
     text = csv_text([["class", "slot", "path", "index"], *audit])
-    lock = Path(f"{Path(path).resolve()}.lock")  # the audit's own, beside the file a link points to: a run may audit a stream that another appends to
+    lock = _beside(path, ".lock")  # the audit's own: a run may audit a stream that another appends to
     with contextlib.ExitStack() as held:
         try: held.enter_context(hold_lock(lock, remove=not lock.exists()))  # a file of that name that was there stays
         except BlockingIOError: raise ValueError(f"another run is writing the audit {path} (it holds {lock.name}); wait for it to end") from None

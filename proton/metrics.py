@@ -21,11 +21,17 @@ def float_array(x, # numpy, torch (any device or dtype, bfloat16 too) or a list
     try: a = np.asarray(x)
     except ValueError: raise ValueError(f"{name} must be a numeric array or tensor, got {type(x).__name__}") from None  # a ragged list: numpy's message names no argument
     if a.dtype.kind not in "biuf": raise ValueError(f"{name} must be real numbers, got dtype {a.dtype}")
-    if a.dtype.kind in "iu" and a.size and (a.max() > 2**53 or a.min() < -2**53):  # float64 rounds them: distinct scores could tie
+    if _beyond_2_53(a, x):  # float64 rounds them: distinct scores could tie
         raise ValueError(f"{name} holds integers beyond 2**53 in magnitude, which float64 rounds, so their order could be lost; subtract an offset or rank them first")
     if a.dtype.kind == "f" and a.dtype.itemsize > 8 and ((a.astype(np.float64) != a) & (a == a)).any():  # a long double finer than float64; NaN is named later
         raise ValueError(f"{name} holds {a.dtype} values that float64 cannot hold exactly, so their order could be lost; rank them first")
     return a.astype(np.float64)
+
+def _beyond_2_53(a, x):
+    "Whether array `a` of `x` holds, or `x` listed (numpy turning them to floats beside floats), integers beyond 2**53 in magnitude."
+    if a.dtype.kind in "iu": return bool(a.size) and (a.max() > 2**53 or a.min() < -2**53)
+    if a.dtype.kind != "f" or hasattr(x, "dtype"): return False
+    return any(isinstance(v, (int, np.integer)) and abs(int(v)) > 2**53 for v in np.asarray(x, dtype=object).ravel())
 
 def _scores_1d(x, name):
     a = float_array(x, name)

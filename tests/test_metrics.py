@@ -122,3 +122,13 @@ def test_scores_float64_cannot_keep_apart_are_refused_by_name():
         with pytest.raises(ValueError, match=rf"^scores_ood holds {np.dtype(np.longdouble)} values that float64 cannot hold exactly"):
             ood_metrics(np.array([one], np.longdouble), np.array([one + np.finfo(np.longdouble).eps], np.longdouble))
         assert ood_metrics(np.array([0.1, 0.2], np.longdouble), np.array([0.3], np.longdouble))["auroc"] == 1.0  # float64 values: kept
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(st.integers(54, 62), st.sampled_from([0.5, np.float32(0.5), np.float64(0.5)]), st.booleans())
+def test_a_list_mixing_floats_and_huge_integers_is_refused(bits, small, numpy_int):
+    "A list of floats and integers beyond 2**53 went to float64 as one array and was rounded: ood_metrics([0.5, 2**60], [2**60+1, 0.]) gave AUROC 0.375, not 0.5."
+    big = (np.int64 if numpy_int else int)(2**bits)
+    with pytest.raises(ValueError, match=r"^scores_id holds integers beyond 2\*\*53"): ood_metrics([small, big], [big + 1, 0.])
+    with pytest.raises(ValueError, match=r"^scores_ood holds integers beyond 2\*\*53"): ood_metrics([small, 0.], [[big + 1, 0.]][0])
+    assert ood_metrics([small, 2**53], [2**53 + 0., 3.])["auroc"] == 0.625  # 2**53 itself is exact in float64

@@ -126,6 +126,13 @@ def test_bad_inputs_are_refused(clip):
     with pytest.raises(ValueError, match="list of strings"): clip.encode_text("a cat")
 
 
+@pytest.mark.parametrize("size", [0, -1, 2.5, True, "8", None])
+def test_a_batch_size_that_is_no_positive_integer_is_named(clip, size):
+    "encode_text(batch_size=0) raised range()'s 'arg 3 must not be zero', 2.5 'float object cannot be interpreted as an integer', True ran batches of one."
+    for encode, data in ((clip.encode_images, PHOTOS[:1]), (clip.encode_text, ["a cat"]), (clip.encode_images, torch.zeros(1, 3, 224, 224))):
+        with pytest.raises(ValueError, match=rf"^batch_size must be a positive integer, got {re.escape(repr(size))}$"): encode(data, batch_size=size)
+    assert len(clip.encode_text(["a", "b", "c"], batch_size=np.int64(2))) == 3  # a numpy integer is an integer
+
 def test_random_weights_follow_the_seed(clip):
     same = load_vlm(f"open_clip:{ARCH}/none", seed=0)
     other = load_vlm(f"open_clip:{ARCH}/none", seed=1)

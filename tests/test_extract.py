@@ -144,6 +144,12 @@ def test_metadata_records_provenance(clip, reference):
     assert m["dataset"] == "toy" and m["device"] == "cpu" and m["amp"] == "none"
 
 
+def test_the_device_is_recorded_by_its_kind_so_torchrun_and_one_process_agree(data, reference, tmp_path, monkeypatch):
+    "The metadata recorded str(device): one process on `cuda` wrote 'cuda', torchrun's rank 0 on `cuda:0` 'cuda:0', so their caches differed (seen here as cpu against cpu:0)."
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    indexed = extract(MODEL, data, out=tmp_path / "c.npz", device="cpu:0", **RUN)
+    assert indexed.metadata["device"] == "cpu" and same_cache(indexed, reference[1])
+
 def test_checkpoint_name_and_hash_are_recorded(clip, data, tmp_path):
     weights = tmp_path / "weights.safetensors"
     weights.write_bytes(b"not really weights, but a file with a hash")

@@ -755,7 +755,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
     return dict(model=vlm.name, backend=type(vlm).__qualname__, checkpoint=None if checkpoint is None else Path(checkpoint).name,
                 checkpoint_sha256=checkpoint_sha256, dataset=folder.name, prompts=prompts, prompt_source=prompt_source,
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
-                device=str(vlm.device), cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
+                device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
                 n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,

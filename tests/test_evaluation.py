@@ -52,6 +52,30 @@ def test_proton_method_is_the_detector_over_the_stream(cache):
     np.testing.assert_allclose(method_scores("proton", cache, stream, config), expected.numpy(), atol=1e-5)
 
 
+
+@pytest.mark.parametrize("method, config", [("proton", ProtonConfig(temperature=.05)), ("proton", ProtonConfig(temperature=.2, gamma=.3)),
+                                            ("proton[energy]", ProtonConfig(temperature=.05, base_score="energy")),
+                                            ("proton[energy]", ProtonConfig(base_score="energy"))])
+def test_a_configured_temperature_and_base_score_hold_as_in_the_detector(cache, method, config):
+    "A τ set in the configuration reached the gate and the classes but not the base score, computed at the cache's τ: PROTON's scores were neither τ's."
+    stream = make_stream(cache, "covariate", seed=1)
+    expected = Proton(cache.text_embeddings, config, temperature=cache.temperature).score(cache.image_embeddings[stream.indices])
+    np.testing.assert_allclose(method_scores(method, cache, stream, config), expected.numpy(), atol=1e-5)
+
+
+def test_a_base_score_the_method_name_contradicts_is_refused(cache):
+    "evaluate took the base score from the method's name and ignored the configuration's: proton with base_score='energy' gave MCM-based PROTON, unsaid."
+    energy = ProtonConfig(base_score="energy")
+    message = r"^PROTON method 'proton' takes its base score from its name \(mcm\), but its config's base_score is 'energy': name the method proton\[energy\]"
+    with pytest.raises(ValueError, match=message): quiet_evaluate(cache, ["mcm", "proton"], config=energy, n_permutations=1)
+    with pytest.raises(ValueError, match=message): quiet_evaluate(cache, {"p": ("proton", energy)}, n_permutations=1)
+    with pytest.raises(ValueError, match=message): method_scores("proton", cache, make_stream(cache, "far"), energy)
+    with pytest.raises(ValueError, match=r"^PROTON method 'proton\[energy\]' takes its base score from its name \(energy\), but its config's base_score is a callable"):
+        quiet_evaluate(cache, ["proton[energy]"], config=ProtonConfig(base_score=lambda logits: -logits.max(1).values), n_permutations=1)
+    df, _ = quiet_evaluate(cache, ["proton[energy]"], config=energy, n_permutations=1, shifts="far")  # the name agrees
+    same, _ = quiet_evaluate(cache, ["proton[energy]"], n_permutations=1, shifts="far")  # the default base_score gives way to the name
+    pd.testing.assert_frame_equal(df, same)
+
 def test_missing_shift_is_skipped_with_a_message_and_the_rest_runs(cache):
     df, messages = quiet_evaluate(cache.subset(cache.shift != "semantic"), ["mcm", "proton"], n_permutations=2)
     assert set(df["shift"]) == {"covariate", "far"}

@@ -85,16 +85,18 @@ class _Prepared:
         self.T = as_unit_rows(cache.text_embeddings, dtype=dtype, name="text embeddings")
         self._scores = {}
 
-    def scores(self, name:str): # a name in `BASELINES`
-        "(N,) scores of baseline `name` on every image of the cache, computed once."
-        if name not in self._scores:
-            c, prompts = self.cache, self.prompts
+    def scores(self, name:str, # a name in `BASELINES`
+               temperature:float|None=None): # τ; None: the cache's
+        "(N,) scores of baseline `name` on every image of the cache, computed once per τ."
+        c, prompts = self.cache, self.prompts
+        t = c.temperature if temperature is None else temperature
+        if (name, t) not in self._scores:
             if prompts is None and name in PROMPT_SET_OF: prompts = c.prompt_group(prompt_set_for(name, c.prompt_set_names))
             if self.routed is not None and not BASELINES[name].privileged:
-                self._scores[name] = routed_score(name, self.E, self.T, c.temperature, self.routed)
-            else: self._scores[name] = baseline_scores(name, self.E, self.T, c.temperature, local_embeddings=c.local_embeddings,
-                                                       prompt_text_embeddings=prompts, held_out=self.held_out)
-        return self._scores[name]
+                self._scores[name, t] = routed_score(name, self.E, self.T, t, self.routed)
+            else: self._scores[name, t] = baseline_scores(name, self.E, self.T, t, local_embeddings=c.local_embeddings,
+                                                          prompt_text_embeddings=prompts, held_out=self.held_out)
+        return self._scores[name, t]
 
 # %% ../../nbs/23_evaluation.ipynb
 def _proton_scores(self:_Prepared,
@@ -104,7 +106,8 @@ def _proton_scores(self:_Prepared,
     "(n,) PROTON scores of a stream, from a fresh detector."
     det = Proton(self.T, config, temperature=self.cache.temperature)
     i = torch.as_tensor(indices, dtype=torch.long)
-    return det.score(self.E[i], base=self.scores(baseline)[i], routed=None if self.routed is None else self.routed[indices])
+    base = self.scores(baseline, det.temperature)[i]
+    return det.score(self.E[i], base=base, routed=None if self.routed is None else self.routed[indices])
 
 def _stream_scores(self:_Prepared,
                    method:Method, # what to score with
@@ -122,6 +125,14 @@ def _method(name:str):
     if name not in METHODS: raise ValueError(f"unknown method {name!r}: choose one of {list(METHODS)}")
     return METHODS[name]
 
+def _check_base(name:str, config:ProtonConfig|None):
+    "Raise if `config` names a base score other than the one PROTON method `name` takes from its name (the default `mcm` gives way)."
+    base, chosen = METHODS[name].baseline, None if config is None else config.base_score
+    if chosen is None or chosen == base or chosen == "mcm": return
+    said = repr(chosen) if isinstance(chosen, str) else "a callable"
+    raise ValueError(f"PROTON method {name!r} takes its base score from its name ({base}), but its config's base_score is {said}: "
+                     + (f"name the method {proton_method(chosen)}" if proton_method(chosen) in METHODS else "score such a base with Proton itself"))
+
 def _check_stream(stream, n:int):
     "Raise unless `stream` holds valid row indices into a cache of `n` images."
     if not isinstance(stream, Stream): raise TypeError(f"stream must be a Stream (see make_stream), got {type(stream).__name__}")
@@ -132,13 +143,14 @@ def _check_stream(stream, n:int):
 def method_scores(method:str, # a name in `METHODS`
                   cache:EmbeddingCache, # the cache the stream indexes
                   stream:Stream, # the stream to score, from `make_stream`
-                  config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+                  config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
                   held_out:HeldOut|None=None, # labelled held-out ID split, for kNN-ID and Mahalanobis-ID
                   *,
                   prompt_text_embeddings=None): # (P, C, d) several prompts per class, for the prompt baselines
     "Scores of one method on one stream, in stream order: (n,) float64 array, higher = more OOD."
     m = _method(method)
     if config is not None and not m.online: raise ValueError(f"config applies to PROTON methods only, not to {method!r}")
+    if m.online: _check_base(method, config)
     _check_stream(stream, len(cache))
     return _Prepared(cache, held_out, prompt_text_embeddings).stream_scores(m, stream.indices, config)
 
@@ -206,6 +218,7 @@ def _variants(methods, config:ProtonConfig|None):
         if cfg is not None and not m.online: raise ValueError(f"config applies to PROTON methods only, not to {label!r} ({name})")
         if cfg is not None and not isinstance(cfg, ProtonConfig): raise TypeError(f"config of {label!r} must be a ProtonConfig, got {type(cfg).__name__}")
         out[str(label)] = (name, cfg if cfg is not None or not m.online else config)
+        if m.online: _check_base(name, out[str(label)][1])
     return out
 
 def _shifts(shifts):

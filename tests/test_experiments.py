@@ -248,3 +248,42 @@ def test_an_id_first_order_with_too_few_id_images_says_what_is_missing():
     said = " ".join(str(w.message) for w in caught)
     assert "order id_first skipped" in said and "the id_first order needs 50 leading ID images (warmup), the stream has 30" in said, said
     assert "warmup must be" not in said
+
+
+def test_triage_names_a_cache_without_ood_images_as_the_other_experiments_do():
+    "Triage blamed calibration ('no OOD image was scored after calibration … K_min … γ') on a cache that had no OOD image at all."
+    only_id = tiny_cache().subset(np.flatnonzero(tiny_cache().shift == "id"))
+    with pytest.raises(ValueError, match=r"^triage needs at least two OOD shifts: the cache has no OOD images \(shifts present: \('id',\)\)$"): triage(only_id)
+
+
+def test_sensitivity_names_what_it_cannot_run():
+    "Both sweeps empty gave pandas' 'No objects to concatenate'; a cache without covariate images gave evaluate's 'no shift has a stream', not that the γ × M grid needs them."
+    from proton.bench.experiments.sensitivity import sensitivity
+    cache = tiny_cache()
+    with pytest.raises(ValueError, match=r"^nothing to evaluate: gammas or bank_sizes, and var_refs, are empty$"): sensitivity(cache, gammas=(), var_refs=(), progress=False)
+    no_cov = cache.subset(np.flatnonzero(cache.shift != "covariate"))
+    with pytest.raises(ValueError, match=r"^the γ × M grid runs on \('covariate',\): nothing to evaluate: no shift has a stream: .*; give other grid_shifts, or empty gammas to run the σ²₀ sweep alone$"):
+        sensitivity(no_cov, n_permutations=1, progress=False)
+    assert set(sensitivity(no_cov, gammas=(), var_refs=(.02,), n_permutations=1, progress=False).sweep) == {"var_ref"}  # the way out works
+
+
+def test_ablation_and_sensitivity_run_on_the_configured_base_score():
+    "Both ran 'proton' (MCM-based) whatever the configuration's base_score; evaluate now refuses a base the method's name contradicts, so they name PROTON by its base."
+    from proton.bench.experiments.ablation import ablation
+    from proton.bench.experiments.sensitivity import sensitivity
+    cache, energy = tiny_cache(), ProtonConfig(base_score="energy")
+    a = ablation(cache, n_permutations=1, config=energy, progress=False, shifts="far")
+    assert list(dict.fromkeys(a.method))[0] == "energy"
+    full = a[a.method == "+ confidence gate (full)"].drop(columns="method").reset_index(drop=True)
+    alone = evaluate(cache, ["proton[energy]"], n_permutations=1, progress=False, shifts="far").drop(columns="method")
+    pd.testing.assert_frame_equal(full, alone)
+    s = sensitivity(cache, gammas=(.7,), bank_sizes=(100,), var_refs=(), n_permutations=1, config=energy, progress=False)
+    assert set(s.method) == {"energy", "proton[energy]"}
+
+
+def test_the_prototype_score_switches_on_with_the_image_after_every_class_reaches_k_min():
+    "Chapter 30 read k_min_reached as the index where the prototype score switches on; it switches on one image later, and the chapter says so."
+    from proton.bench.experiments.dynamics import k_min_reached
+    df = dynamics(tiny_cache())
+    for shift, g in df.groupby("shift"):
+        assert g[g.calibrated].t.min() == k_min_reached(g) + 1, shift

@@ -4,9 +4,9 @@
 
 # %% auto 0
 __all__ = ['METHODS', 'HELD_OUT_FRACTION', 'METRICS', 'COLUMNS', 'PAPER_PROTOCOL', 'LABELS', 'SIMULATED', 'COURSE_CACHES',
-           'OPTION_FLAGS', 'DEFAULTS', 'import_pandas', 'import_tqdm', 'Method', 'proton_method', 'method_scores',
-           'Split', 'carve_held_out', 'SkippedWarning', 'Protocol', 'torch_threads', 'evaluate', 'summarize',
-           'summary_table', 'simulated_cache', 'course_cache', 'claim', 'origin', 'evaluate_main']
+           'OPTION_FLAGS', 'DEFAULTS', 'import_pandas', 'import_tqdm', 'Method', 'proton_method', 'configured_methods',
+           'method_scores', 'Split', 'carve_held_out', 'SkippedWarning', 'Protocol', 'torch_threads', 'evaluate',
+           'summarize', 'summary_table', 'simulated_cache', 'course_cache', 'claim', 'origin', 'evaluate_main']
 
 # %% ../../nbs/23_evaluation.ipynb
 import argparse
@@ -59,6 +59,11 @@ class Method(NamedTuple):
 def proton_method(base:str): # a non-privileged name in `BASELINES`
     "The name of PROTON with `base` as its base score: `proton` for MCM, `proton[<base>]` otherwise."
     return "proton" if base == "mcm" else f"proton[{base}]"
+
+def configured_methods(config:ProtonConfig|None): # PROTON's configuration; None: the paper's
+    "(the base score alone, PROTON on it) as method names for the base score `config` names; MCM's for a callable, which `evaluate` refuses."
+    base = config.base_score if config is not None and isinstance(config.base_score, str) else "mcm"
+    return base, proton_method(base)
 
 def _methods():
     "Every baseline alone, then PROTON on top of every non-privileged one."

@@ -8,7 +8,7 @@ __all__ = ['NO_GATE', 'WARMUP', 'ablation_variants', 'ablation']
 # %% ../../../nbs/25_ablation.ipynb
 from dataclasses import replace
 
-from ..evaluation import PAPER_PROTOCOL, evaluate
+from ..evaluation import PAPER_PROTOCOL, configured_methods, evaluate
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -18,14 +18,15 @@ NO_GATE = 1e-9  # a γ that admits every image: the largest of C softmax probabi
 WARMUP = 50  # W: images whose base-score variance becomes σ²_0 in the last variant
 
 def ablation_variants(config:ProtonConfig|None=None): # the full detector's configuration; None: the paper's
-    "The ablation's rows as {label: (method, config)}: MCM, PROTON's components added one at a time, then σ²_0 from a warm-up."
+    "The ablation's rows as {label: (method, config)}: the base score (MCM), PROTON's components added one at a time, then σ²_0 from a warm-up."
     full = ProtonConfig() if config is None else config
     open_gate = replace(full, gamma=NO_GATE)
-    return {"mcm": ("mcm", None),
-            "+ prototype, α=0.5": ("proton", replace(open_gate, alpha_min=.5, alpha_max=.5)),
-            "+ adaptive fusion": ("proton", open_gate),
-            "+ confidence gate (full)": ("proton", full),
-            f"full, σ²₀ from a {WARMUP}-image warm-up": ("proton", replace(full, warmup=WARMUP))}
+    base, proton = configured_methods(full)
+    return {base: (base, None),
+            "+ prototype, α=0.5": (proton, replace(open_gate, alpha_min=.5, alpha_max=.5)),
+            "+ adaptive fusion": (proton, open_gate),
+            "+ confidence gate (full)": (proton, full),
+            f"full, σ²₀ from a {WARMUP}-image warm-up": (proton, replace(full, warmup=WARMUP))}
 
 # %% ../../../nbs/25_ablation.ipynb
 def ablation(cache:EmbeddingCache, # the embedding cache to evaluate

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, configured_methods, evaluate, import_pandas
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -40,15 +40,21 @@ def sensitivity(cache:EmbeddingCache, # the embedding cache to evaluate
                 config:ProtonConfig|None=None, # the configuration swept around; None: the paper's
                 progress:bool=True, # show a tqdm bar
                 **options): # further arguments of `evaluate`
-    "Experiment 3: PROTON over the γ × M grid and over σ²_0, with MCM as reference; settings in front of `evaluate`'s columns."
+    "Experiment 3: PROTON over the γ × M grid and over σ²_0, with its base score (MCM) as reference; settings in front of `evaluate`'s columns."
     base = ProtonConfig() if config is None else config
+    reference, proton = configured_methods(base)
     runs = {"gamma_M": ({f"γ={g}, M={m}": replace(base, gamma=g, bank_size=m) for g in gammas for m in bank_sizes}, grid_shifts),
             "var_ref": ({f"σ²₀={v}": replace(base, var_ref=v) for v in var_refs}, None)}
+    if not any(configs for configs, _ in runs.values()): raise ValueError("nothing to evaluate: gammas or bank_sizes, and var_refs, are empty")
     frames = []
     for sweep, (configs, shifts) in runs.items():
-        if not configs: continue  # a sweep given no values is not run (MCM alone would be its only rows)
-        variants = {"mcm": ("mcm", None)} | {label: ("proton", c) for label, c in configs.items()}
-        settings = {label: dict(method="proton", gamma=c.gamma, bank_size=c.bank_size, var_ref=c.var_ref) for label, c in configs.items()}
-        df = evaluate(cache, variants, shifts, n_permutations=n_permutations, seed=seed, progress=progress, **options)
+        if not configs: continue  # a sweep given no values is not run (its reference alone would be its only rows)
+        variants = {reference: (reference, None)} | {label: (proton, c) for label, c in configs.items()}
+        settings = {label: dict(method=proton, gamma=c.gamma, bank_size=c.bank_size, var_ref=c.var_ref) for label, c in configs.items()}
+        try: df = evaluate(cache, variants, shifts, n_permutations=n_permutations, seed=seed, progress=progress, **options)
+        except ValueError as e:
+            if sweep == "gamma_M" and shifts is not None and str(e).startswith("nothing to evaluate: no shift"):  # the grid's shifts, not the cache, are what is missing
+                raise ValueError(f"the γ × M grid runs on {tuple(shifts)}: {e}; give other grid_shifts, or empty gammas to run the σ²₀ sweep alone") from None
+            raise
         frames.append(_sweep_rows(df, sweep, settings))
     return import_pandas().concat(frames, ignore_index=True)

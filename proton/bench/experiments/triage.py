@@ -42,6 +42,8 @@ def triage(cache:EmbeddingCache, # the embedding cache: ID images and at least t
     features = (features,) if isinstance(features, str) else tuple(features)
     bad = [f for f in features if f not in TRIAGE_FEATURES]
     if bad or not features: raise ValueError(f"features must be a non-empty selection of {TRIAGE_FEATURES}, got {list(features)}")
+    try: cache.ood_shifts()
+    except ValueError as e: raise ValueError(f"triage needs at least two OOD shifts: {e}") from None
     order = np.random.default_rng(seed).permutation(len(cache))
     det = Proton(cache.text_embeddings, config, temperature=cache.temperature)
     parts = det.score(cache.image_embeddings[order], return_parts=True)

@@ -286,3 +286,16 @@ def test_a_line_argparse_takes_without_a_command_up_front_is_a_usage_error_not_i
     "argparse took '--deb' for --debug and '--' as the end of options: main found no command at argv[0] and ran `info score`, which said 'No such file or directory: score'."
     r = run(*args)
     assert r.returncode == 2 and "give the command first" in r.stderr and "Traceback" not in r.stderr and "No such file" not in r.stderr, r.stderr
+
+
+def test_a_missing_checkpoint_or_tokenizer_is_named_by_its_option(tmp_path):
+    "FLAIR's and UniMed-CLIP's messages said 'pass checkpoint=' and 'pass tokenizer=', the Python arguments, to a command-line user."
+    import numpy as np
+    from PIL import Image
+    (tmp_path / "in").mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "in" / "a.png")
+    (tmp_path / "vocab").mkdir()
+    (tmp_path / "vocab" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]) + "\n")
+    for extra, option in ((["--tokenizer", str(tmp_path / "vocab")], "checkpoint"), (["--checkpoint", "none"], "tokenizer")):
+        r = run("score", str(tmp_path / "in"), "--out", str(tmp_path / "r.csv"), "--classes", "a,b", "--model", "unimed", "--no-progress", *extra)
+        assert r.returncode == 1 and f"pass {option}= (--{option})" in r.stderr and "Traceback" not in r.stderr, r.stderr

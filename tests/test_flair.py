@@ -140,6 +140,12 @@ def test_logit_scale_is_clamped_to_100(state, tok):
     assert vlm.temperature == pytest.approx(0.01)
 
 
+def test_a_negative_logit_scale_is_clamped_to_0_as_upstream_does(state, tok):
+    "Upstream's compute_logits clamps logit_scale to [0, log 100] at inference; a negative one gave τ = e here, not 1."
+    vlm = load_flair({**state, "logit_scale": torch.tensor(-1.)}, tokenizer=tok)
+    assert vlm.temperature == 1.
+
+
 # --- the default weights: cache, download and offline refusal --------------------------------------------------------
 
 def test_offline_without_checkpoint_says_what_to_pass(tmp_path, monkeypatch, tok):
@@ -217,7 +223,7 @@ def test_tokenizer_errors(tmp_path, monkeypatch):
     import huggingface_hub
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
     monkeypatch.setattr(flair_mod, "_reachable", lambda host, timeout=3.: False)
-    with pytest.raises(FileNotFoundError, match="pass tokenizer= a folder holding its vocab.txt"):
+    with pytest.raises(FileNotFoundError, match=r"pass tokenizer= \(--tokenizer\) a folder holding its vocab.txt"):
         load_flair_tokenizer(None)
 
 

@@ -75,6 +75,25 @@ def test_a_floating_point_image_file_is_refused_not_clipped(tmp_path, clip):
         with pytest.raises(ValueError, match=r"floating-point image \(PIL mode F, .*scale it to 8 bits"): convert(image)
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+def test_a_grey_image_with_negative_values_is_refused_not_clipped(tmp_path, clip, dtype):
+    "CT in Hounsfield units (int16, -1000 for air) went through the bit-depth scaling and then clip(0, 255): every value below 0 became black, unsaid."
+    from proton.models.vlm import as_rgb_image, read_image
+    ct = np.array([[-100, -50, 0], [40, 100, 120]], dtype)
+    message = rf"^a grey image with negative values \({np.dtype(dtype)} from -100 to 120\) has no agreed intensity range .*window it to 0\.\.255 first$"
+    with pytest.raises(ValueError, match=message): as_rgb_image(ct)
+    with pytest.raises(ValueError, match=message): clip.preprocess(ct)
+    Image.fromarray(ct.astype(np.int32)).save(tmp_path / "ct.tif")
+    with pytest.raises(ValueError, match=r"^a grey image with negative values \(int32 from -100 to 120\)"): as_rgb_image(read_image(tmp_path / "ct.tif"))
+    assert np.asarray(as_rgb_image(np.abs(ct)))[1, 2, 0] == 120  # non-negative: as before
+
+
+def test_a_wide_grey_array_with_a_channel_axis_is_read_as_grey():
+    "(H, W, 1) was squeezed for uint8 but refused for uint16 by 'must be uint8 (or grey uint16), got uint16'."
+    from proton.models.vlm import as_rgb_image
+    grey = np.arange(16, dtype=np.uint16).reshape(4, 4) * 4000
+    assert np.array_equal(np.asarray(as_rgb_image(grey[..., None])), np.asarray(as_rgb_image(grey)))
+
 @pytest.mark.parametrize("image", [np.zeros((0, 0, 3), np.uint8), np.zeros((0, 5), np.uint16), Image.new("RGB", (0, 0))], ids=["rgb", "grey16", "pil"])
 def test_an_empty_image_is_named(clip, image):
     "A 0×0 image gave ZeroDivisionError in FLAIR's preprocessing."
@@ -353,7 +372,7 @@ def test_random_unimed_weights_are_asked_for_as_its_own_error_advises(vocab):
 CHECKED = {  # what check_vlm passed and the loader then refused: (args, kwargs) given tmp_path, and the error
     "a mistyped open_clip tag": (lambda t: (("open_clip:ViT-B-32/laion2b_typo",), {}), ValueError, "unknown pretrained tag 'laion2b_typo' for open_clip's ViT-B-32"),
     "an open_clip weights path with nothing there": (lambda t: (("open_clip:ViT-S-32/none/x",), {}), FileNotFoundError, "no checkpoint file or folder at none/x"),
-    "unimed-clip without a checkpoint": (lambda t: (("unimed-clip",), dict(tokenizer=t / "ok")), ValueError, "pass checkpoint= the UniMed-CLIP weights"),
+    "unimed-clip without a checkpoint": (lambda t: (("unimed-clip",), dict(tokenizer=t / "ok")), ValueError, r"pass checkpoint= \(--checkpoint\) the UniMed-CLIP weights"),
     "unimed-clip without a tokenizer": (lambda t: (("unimed-clip", "none"), {}), ValueError, "UniMed-CLIP needs the BiomedBERT vocabulary"),
     "unimed-clip with a folder without vocab.txt": (lambda t: (("unimed-clip", "none"), dict(tokenizer=t)), FileNotFoundError, "no vocab.txt in"),
     "unimed-clip with an empty vocab.txt": (lambda t: (("unimed-clip", t / "w.pt"), dict(tokenizer=t / "empty")), ValueError, r"empty/vocab.txt lacks \[PAD\]"),

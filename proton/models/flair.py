@@ -150,7 +150,7 @@ def _vocab_folder():
     if isinstance(cached, str): return Path(cached).parent
     if not _reachable("huggingface.co"):
         raise FileNotFoundError(f"FLAIR needs Bio_ClinicalBERT's tokenizer, which is not in the Hugging Face cache and the hub is "
-                                f"unreachable: pass tokenizer= a folder holding its vocab.txt (from huggingface.co/{BIO_CLINICAL_BERT}) "
+                                f"unreachable: pass tokenizer= (--tokenizer) a folder holding its vocab.txt (from huggingface.co/{BIO_CLINICAL_BERT}) "
                                 "or a transformers tokenizer")
     return Path(hub.hf_hub_download(BIO_CLINICAL_BERT, "vocab.txt")).parent
 
@@ -175,7 +175,8 @@ class FLAIR(VLM):
         if len(tokenizer) > rows: raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the text encoder only {rows}")
         self.net, self.tokenizer = net.to(device).eval().requires_grad_(False), tokenizer
         dim = net.vision_model.projection_head_vision.projection.out_features
-        super().__init__(name, temperature_from_logit_scale(net.logit_scale), FLAIR_IMAGE_SIZE, dim, device)
+        scale = net.logit_scale.detach().clamp(min=0)  # upstream clamps it to [0, log 100] at inference too (NaN stays NaN, and is named)
+        super().__init__(name, temperature_from_logit_scale(scale), FLAIR_IMAGE_SIZE, dim, device)
 
     def __repr__(self): return f"{super().__repr__()[:-1]}, text_pooling={self.text_pooling!r})"
 
@@ -211,7 +212,7 @@ def _fetch_flair_weights(cache_dir:Path): # folder to keep the checkpoint in
     if path.is_file(): return path
     if not _reachable("drive.usercontent.google.com"):
         raise FileNotFoundError(f"no {FLAIR_WEIGHTS_FILE} in {cache_dir} and Google Drive is unreachable: download the archive "
-                                f"from {FLAIR_WEIGHTS_URL}, unzip it and pass checkpoint= the path of {FLAIR_WEIGHTS_FILE}")
+                                f"from {FLAIR_WEIGHTS_URL}, unzip it and pass checkpoint= (--checkpoint) the path of {FLAIR_WEIGHTS_FILE}")
     cache_dir.mkdir(parents=True, exist_ok=True)
     archive = cache_dir / "flair_weights.zip"
     torch.hub.download_url_to_file(FLAIR_WEIGHTS_URL, str(archive), progress=False)
@@ -224,7 +225,7 @@ def _fetch_flair_weights(cache_dir:Path): # folder to keep the checkpoint in
             partial.replace(path)
     except zipfile.BadZipFile:
         raise ValueError(f"the download from {FLAIR_WEIGHTS_URL} is not a zip archive (Google Drive may have sent a web page); "
-                         f"download it by hand and pass checkpoint=") from None
+                         f"download it by hand and pass checkpoint= (--checkpoint)") from None
     finally: archive.unlink(missing_ok=True)
     return path
 

@@ -76,7 +76,7 @@ class UniMedCLIP(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
 # %% ../../nbs/42_unimed.ipynb
-TOKENIZER_HELP = ("UniMed-CLIP needs the BiomedBERT vocabulary: pass tokenizer= a folder holding the vocab.txt of "
+TOKENIZER_HELP = ("UniMed-CLIP needs the BiomedBERT vocabulary: pass tokenizer= (--tokenizer) a folder holding the vocab.txt of "
                   "microsoft/BiomedNLP-BiomedBERT-base-uncased-abstract (e.g. from huggingface_hub.snapshot_download), or that vocab.txt")
 
 def load_bert_tokenizer(path:str|os.PathLike|None): # folder holding vocab.txt, or the vocab.txt file
@@ -131,7 +131,7 @@ def _drop_position_ids(sd:dict):
 def check_unimed(checkpoint:str|os.PathLike|None=None, # as for `load_unimed`
                  tokenizer=None): # as for `load_unimed`
     "One line naming what `load_unimed` would refuse in `checkpoint` or `tokenizer`, before anything loads."
-    if checkpoint is None: raise ValueError(f"pass checkpoint= the UniMed-CLIP weights from {UNIMED_CHECKPOINT}, or 'none' for random weights")
+    if checkpoint is None: raise ValueError(f"pass checkpoint= (--checkpoint) the UniMed-CLIP weights from {UNIMED_CHECKPOINT}, or 'none' for random weights")
     if str(checkpoint) != "none": checkpoint_file(checkpoint)
     if tokenizer is None: raise ValueError(TOKENIZER_HELP)
     if not callable(tokenizer): check_vocab(tokenizer, TOKENIZER_HELP)

@@ -42,6 +42,9 @@ def temperature_from_logit_scale(logit_scale:float|Tensor): # the model's learnt
 # %% ../../nbs/40_vlm.ipynb
 def to_8_bits(grey:np.ndarray): # (H, W) integer image wider than 8 bits, e.g. a 12- or 16-bit scan
     "`grey` scaled to uint8 by its bit depth (the smallest of 8, 10, 12, 14 or 16 bits that holds its maximum), keeping its gradation."
+    if grey.size and (low := int(grey.min())) < 0:  # CT in Hounsfield units: bit-depth scaling would clip every negative value to black
+        raise ValueError(f"a grey image with negative values ({grey.dtype} from {low} to {int(grey.max())}) has no agreed intensity range "
+                         "(CT in Hounsfield units, say): window it to 0..255 first")
     top = int(grey.max(initial=0))
     bits = next((b for b in (8, 10, 12, 14, 16) if top < 2 ** b), int(top).bit_length())
     return np.round(grey.astype(np.float64) * (255 / (2 ** bits - 1))).clip(0, 255).astype(np.uint8)
@@ -58,9 +61,9 @@ def as_rgb_image(image): # a PIL image, or an (H, W), (H, W, 1), (H, W, 3) or (H
     if not isinstance(image, np.ndarray):
         raise ValueError(f"an image must be a PIL image or a uint8 numpy array, got {type(image).__name__}")
     if image.ndim >= 2 and 0 in image.shape[:2]: raise ValueError(f"the image is empty ({image.shape[1]}×{image.shape[0]} pixels)")
+    if image.ndim == 3 and image.shape[2] == 1: image = image[..., 0]
     if image.ndim == 2 and image.dtype.kind in "iu" and image.dtype != np.uint8: image = to_8_bits(image)
     if image.dtype != np.uint8: raise ValueError(f"image arrays must be uint8 (or grey uint16), got {image.dtype}; scale them to 0..255 first")
-    if image.ndim == 3 and image.shape[2] == 1: image = image[..., 0]
     if not (image.ndim == 2 or (image.ndim == 3 and image.shape[2] in (3, 4))):
         raise ValueError(f"image arrays must have shape (H, W), (H, W, 3) or (H, W, 4), got {image.shape}")
     return Image.fromarray(image).convert("RGB")

@@ -144,7 +144,8 @@ def resized(data: bytes, # an image file's bytes
                 from proton.models.vlm import as_rgb_image
 
                 image = as_rgb_image(image).convert("L")
-            size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
+            # the long side truncated, as torchvision's Resize(N) computes it: the model resamples the stored image no further
+            size = (short_side, int(h * short_side / w)) if w <= h else (int(w * short_side / h), short_side)
             if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
                 # and the model reads the colours without the alpha (convert("RGB"))
                 small = Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])

@@ -1709,6 +1709,25 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     assert out.mode == {"P": "RGB", "I;16": "L"}.get(mode, mode)  # 16 bits: in 8, as the model reads them
 
 
+@pytest.fixture(scope="module")
+def clip_preprocess():
+    "An open_clip model's preprocessing (random weights): torchvision's Resize(224), bicubic, then its centre crop."
+    from proton.models import load_vlm
+    return load_vlm("open_clip:ViT-S-32/none").preprocess
+
+
+@pytest.mark.parametrize("size", [(500, 375), (375, 500), (640, 480), (320, 426), (1000, 667), (300, 300)])
+def test_a_resized_image_gives_the_clip_model_the_input_of_the_original(clip_preprocess, size):
+    "Resize(224) truncates the long side (500x375 -> 298x224); resized() rounded it (299x224), so the model resampled again: up to 132/255 off."
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    stored = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 224, "x")))
+    assert min(stored.size) == 224
+    np.testing.assert_array_equal(clip_preprocess(stored).numpy(), clip_preprocess(image).numpy())
+
+
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
 def test_a_resized_image_with_transparency_shows_the_model_the_same_colours(mode):
     "The model reads an image converted to RGB, which ignores transparency: PIL's premultiplied resize made transparent white black."

@@ -38,6 +38,7 @@ class Benchmark:
     prompt_sources: dict = field(default_factory=dict)  # prompt set name -> manifest key of the notebook that holds it
     prompt_classes: dict = field(default_factory=dict)  # the notebooks' class keys -> our class folders
     prompt_note: str = ""  # why there are no prompt sets, for the dry run
+    resize_like: str = "clip"  # whose resize --resize repeats: "clip" (short side, PIL bicubic) or "flair" (long side, FLAIR's filter)
 
     def check(self) -> None:
         """Raise ``ValueError`` if the description is inconsistent."""
@@ -52,6 +53,8 @@ class Benchmark:
                 raise ValueError(f"{self.name}: {d.shift} draw labels {d.labels} are not classes {self.classes}")
             if before is not None and before.shift == FIT and d.shift != FIT:
                 raise ValueError(f"{self.name}: the {d.shift} draw {d.scope} follows a fit draw; fit draws come last")
+        if self.resize_like not in RESIZED_AS:
+            raise ValueError(f"{self.name}: resize_like {self.resize_like!r} is none of {sorted(RESIZED_AS)}")
         if self.prompt_sources and sorted(set(self.prompt_classes.values())) != sorted(self.classes):
             raise ValueError(f"{self.name}: prompt_classes maps to {sorted(set(self.prompt_classes.values()))}, "
                              f"not to the classes {list(self.classes)}")
@@ -70,7 +73,7 @@ def prepare(bench: Benchmark, # what to prepare
             progressbar: bool = True, # show tqdm bars
             sources: dict | None = None, # manifest key -> how the file was verified and its SHA-256, for classes.json
             prompts: dict | None = None, # prompt set name -> class folder -> prompts, for prompt_sets.json
-            resize: int | None = None, # store images at this many pixels on the short side (larger ones only); None: byte for byte
+            resize: int | None = None, # store larger images at this size, as the benchmark's model resizes them (`resized`); None: byte for byte
             locked: bool = False, # the caller holds ``out``'s lock already (``lock_folder``)
             ) -> list[dict]:
     """Select every draw's images, write them under ``out`` with split.csv, classes.json and any prompt sets; return the split.csv rows."""
@@ -105,7 +108,7 @@ def prepare(bench: Benchmark, # what to prepare
                 row = wanted[key]
                 check_image(data, f"{view_name}:{key}")
                 if resize is not None:
-                    data = resized(data, resize, f"{view_name}:{key}")
+                    data = resized(data, resize, f"{view_name}:{key}", bench.resize_like)
                 target = targets[view_name, key]
                 (folder / target).parent.mkdir(parents=True, exist_ok=True)
                 (folder / target).write_bytes(data)
@@ -123,34 +126,26 @@ RESIZE_JPEG_QUALITY = 95  # a resized JPEG is encoded again, at this quality; PN
 RESIZE_PNG_LEVEL = 0  # a resized PNG is stored without zlib compression: about 3x the bytes, decoded about twice as fast
 
 
+RESIZED_AS = {"clip": "short side to N, PIL bicubic, the long side truncated as torchvision's Resize(N) computes it",
+              "flair": "long side to N as FLAIR's preprocessing resizes it (torch bilinear, antialiased), in 8-bit RGB"}
+
+
 def resized(data: bytes, # an image file's bytes
-            short_side: int, # pixels on the short side of the stored image
+            n: int, # pixels on the stored image's short side ("clip") or long side ("flair")
             what: str, # names the image in errors, e.g. view:key
+            like: str = "clip", # whose resize to repeat, a key of RESIZED_AS
             ) -> bytes:
-    """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format (16- or 32-bit grey in 8 bits, as the model reads it); a smaller image unchanged."""
+    """The image shrunk as the model resizes it to ``n`` (``RESIZED_AS[like]``), in its own format; a smaller image unchanged."""
     import io
 
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            fmt, (w, h) = {"MPO": "JPEG"}.get(image.format, image.format), image.size  # MPO: a JPEG with a multi-picture marker
-            if min(w, h) <= short_side:
+            fmt = {"MPO": "JPEG"}.get(image.format, image.format)  # MPO: a JPEG with a multi-picture marker
+            if (max if like == "flair" else min)(image.size) <= n:
                 return data
-            if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
-                image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
-            if image.mode.startswith("I"):  # 16- or 32-bit grey reaches the model scaled by the bit depth of its maximum, which a
-                # resize can change (a small bright spot smoothed away): in 8 bits first, as the model reads the original
-                from proton.models.vlm import as_rgb_image
-
-                image = as_rgb_image(image).convert("L")
-            # the long side truncated, as torchvision's Resize(N) computes it: the model resamples the stored image no further
-            size = (short_side, int(h * short_side / w)) if w <= h else (int(w * short_side / h), short_side)
-            if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
-                # and the model reads the colours without the alpha (convert("RGB"))
-                small = Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])
-            else:
-                small = image.resize(size, Image.Resampling.BICUBIC)
+            small = (flair_resized if like == "flair" else clip_resized)(image, n)
         out = io.BytesIO()
         small.save(out, format=fmt,
                    **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
@@ -158,6 +153,40 @@ def resized(data: bytes, # an image file's bytes
         raise LayoutError(f"{what} could not be resized ({type(err).__name__}: {err}); "
                           "without --resize it is copied byte for byte") from err
     return out.getvalue()
+
+
+def clip_resized(image, # a PIL image larger than `n` on its short side
+                 n: int, # pixels on the short side
+                 ):
+    """``image`` as torchvision's ``Resize(n)`` (PIL bicubic) makes it, 16- or 32-bit grey in 8 bits as the model reads it."""
+    from PIL import Image
+
+    if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
+        image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
+    if image.mode.startswith("I"):  # 16- or 32-bit grey reaches the model scaled by the bit depth of its maximum, which a
+        # resize can change (a small bright spot smoothed away): in 8 bits first, as the model reads the original
+        from proton.models.vlm import as_rgb_image
+
+        image = as_rgb_image(image).convert("L")
+    w, h = image.size  # the long side truncated, as torchvision's Resize(N) computes it: the model resamples the stored image no further
+    size = (n, int(h * n / w)) if w <= h else (int(w * n / h), n)
+    if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
+        # and the model reads the colours without the alpha (convert("RGB"))
+        return Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def flair_resized(image, # a PIL image larger than `n` on its long side
+                  n: int, # pixels on the long side
+                  ):
+    """``image`` as FLAIR's preprocessing resizes it to ``n`` (its content, without the padding), in 8-bit RGB: FLAIR resamples it no further."""
+    from PIL import Image
+
+    from proton.models.flair import _content_size, flair_preprocess
+
+    h, w = _content_size(image.height, image.width, n)
+    x = flair_preprocess(image, n)[:, :h, :w]
+    return Image.fromarray((x * 255).round().byte().permute(1, 2, 0).numpy())
 
 
 def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sources: dict, resize: int | None = None) -> None:
@@ -171,8 +200,9 @@ def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sou
                        templated_prompts={c: [bench.prompt_template.format(name)] for c, name in zip(bench.classes, bench.class_names)},
                        ood_to_id=bench.ood_to_id, counts=counts, seed=seed, sources=sources,
                        prompt_set_sources=dict(bench.prompt_sources),
-                       resize=None if resize is None else {"short_side": resize, "resampling": "PIL bicubic",
-                                                           "formats": f"kept; PNG and TIFF lossless, JPEG re-encoded at quality {RESIZE_JPEG_QUALITY}"})
+                       resize=resize, resized_as=None if resize is None else {
+                           "resampling": RESIZED_AS[bench.resize_like],
+                           "formats": f"kept; PNG and TIFF lossless, JPEG re-encoded at quality {RESIZE_JPEG_QUALITY}"})
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -200,8 +230,9 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None,
                    help="at most this many images per draw, for a quick smoke test (the split file is not changed)")
     p.add_argument("--resize", type=int, default=None, metavar="N",
-                   help="store images larger than N pixels on the short side at N (e.g. the model's input size), "
-                        "in their own format (PNG lossless and uncompressed, to decode fast); default: byte for byte")
+                   help="store images larger than N at N as the benchmark's model resizes them (ophthalmology: the long "
+                        "side, as FLAIR; the others: the short side, as the CLIP models), never enlarged, e.g. the model's "
+                        "input size, in their own format (PNG lossless and uncompressed, to decode fast); default: byte for byte")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -269,7 +300,7 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
     rows = read_split(split, bench.draws)
     lines += ["", f"Images, written to {out}/<shift>/<label>/ (split file {split}"
               f"{'' if split.exists() else ', not there yet'}"
-              f"{'' if resize is None else f'; resized to {resize} pixels on the short side'}):"]
+              f"{'' if resize is None else f'; --resize {resize}: {RESIZED_AS[bench.resize_like]}'}):"]
     for d in bench.draws:
         fixed = fixed_rows(d, rows)
         n = d.n if limit is None else min(d.n, limit)

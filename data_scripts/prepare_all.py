@@ -34,7 +34,9 @@ def cli(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list what would be fetched and written; no network")
     p.add_argument("--manifest", type=Path, help="manifest of sources")
     p.add_argument("--limit", type=int, help="at most this many images per draw (smoke test)")
-    p.add_argument("--resize", type=int, help="store images at this many pixels on the short side (see the single scripts' --help)")
+    p.add_argument("--resize", type=int, metavar="N",
+                   help="store images larger than N at N, never enlarged: pathology and radiology on the short side, as "
+                        "the CLIP models resize them; ophthalmology on the long side, as FLAIR does (e.g. 224, or 512 for FLAIR)")
     p.add_argument("--local", action="append", default=[], metavar="SOURCE=PATH",
                    help="use a local copy of a source; passed to the benchmarks that use that source")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -1678,6 +1678,7 @@ def test_a_kaggle_file_is_checked_against_what_the_manifest_knows(tmp_path):
 
 
 def test_resize_stores_images_at_the_short_side_losslessly_for_png(served_ophthalmology):
+    from proton.models.flair import flair_preprocess
     s = served_ophthalmology
     plain = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "plain"), "--limit", "3"] + s.base)
     small = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "small"), "--limit", "3", "--resize", "2"] + s.base)
@@ -1685,10 +1686,11 @@ def test_resize_stores_images_at_the_short_side_losslessly_for_png(served_ophtha
     for r in small:
         before, after = Image.open(s.tmp / "plain" / r["file"]), Image.open(s.tmp / "small" / r["file"])
         assert before.size == (4, 4) and after.size == (2, 2) and after.format == before.format
-        if after.format == "PNG":  # lossless: exactly PIL's bicubic resize of the original
-            assert np.array_equal(np.asarray(after), np.asarray(before.resize((2, 2), Image.Resampling.BICUBIC)))
+        if after.format == "PNG":  # lossless: FLAIR's resize of the original, rounded to 8 bits
+            assert (flair_preprocess(after, 2) - flair_preprocess(before, 2)).abs().max() * 255 <= 0.5 + 1e-3
     classes = json.loads((s.tmp / "small" / "classes.json").read_text())
-    assert classes["resize"]["short_side"] == 2 and json.loads((s.tmp / "plain" / "classes.json").read_text())["resize"] is None
+    assert classes["resize"] == 2 and "FLAIR" in classes["resized_as"]["resampling"]
+    assert json.loads((s.tmp / "plain" / "classes.json").read_text())["resize"] is None
     common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "large"), "--limit", "3", "--resize", "4"] + s.base)
     assert all((s.tmp / "large" / r["file"]).read_bytes() == (s.tmp / "plain" / r["file"]).read_bytes() for r in plain)  # not enlarged
     with pytest.raises(ValueError, match="--resize must be at least 1"):
@@ -1726,6 +1728,46 @@ def test_a_resized_image_gives_the_clip_model_the_input_of_the_original(clip_pre
     stored = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 224, "x")))
     assert min(stored.size) == 224
     np.testing.assert_array_equal(clip_preprocess(stored).numpy(), clip_preprocess(image).numpy())
+
+
+def fundus_png(size, seed):
+    "A fundus-like photograph as PNG: a bright disc on black, with vessels 2-6 px wide and sensor noise."
+    from PIL import ImageDraw
+    rng = np.random.default_rng(seed)
+    image = Image.new("RGB", size)
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((size[0] // 40, size[1] // 40, size[0] * 39 // 40, size[1] * 39 // 40), fill=(190, 80, 40))
+    for _ in range(150):
+        draw.line(tuple(rng.integers(0, min(size), 4)), fill=(120, 30, 20), width=int(rng.integers(2, 7)))
+    noisy = np.clip(np.asarray(image, np.int16) + rng.integers(-6, 7, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noisy).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+FUNDUS_SIZES = [(2048, 2048), (1600, 1200), (1200, 1600), (2000, 1333)]  # FIVES' square PNGs, and other cameras' shapes
+
+
+def test_resize_stores_ophthalmology_images_as_flair_resizes_them(served_ophthalmology):
+    "FLAIR scales the long side to 512 (bilinear, antialiased): PIL bicubic on the short side gave it other inputs (1600x1200: one row short)."
+    from proton.models.flair import flair_preprocess
+    s = served_ophthalmology
+    fives = make_dir(s.tmp / "fives", {f"train/Original/{i}_{code}.png": fundus_png(FUNDUS_SIZES[i % 4], i)
+                                       for i, code in enumerate("NNDDGGAA")})
+    table = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out"), "--limit", "1", "--resize", "512"] + s.base
+                       + ["--local", f"fives={fives}"])
+    sizes, diffs = set(), []
+    for r in table:
+        if r["source"] == "fives":
+            original = Image.open(fives / "train/Original" / r["file"].rsplit("/", 1)[1].removeprefix("train_"))
+            stored = Image.open(s.tmp / "out" / r["file"])
+            sizes.add(original.size)
+            assert max(stored.size) == 512 and stored.format == "PNG"
+            diffs.append((flair_preprocess(stored) - flair_preprocess(original)).abs().numpy() * 255)
+    assert len(sizes) == 4
+    assert max(d.max() for d in diffs) <= 0.5 + 1e-3 and max(d.mean() for d in diffs) <= 0.26  # 8-bit rounding, no more (README)
+    classes = json.loads((s.tmp / "out" / "classes.json").read_text())
+    assert classes["resize"] == 512
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
@@ -1792,7 +1834,8 @@ def test_a_resized_wide_grey_image_looks_to_the_model_as_the_original_does(fmt, 
 
 def test_prepare_all_passes_resize_on(tmp_path, capsys):
     assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", "--resize", "224"]) == 0
-    assert capsys.readouterr().out.count("resized to 224 pixels on the short side") == len(BENCHMARKS)
+    out = capsys.readouterr().out
+    assert out.count("--resize 224: short side to N") == len(BENCHMARKS) - 1 and out.count("--resize 224: long side to N as FLAIR") == 1
 
 
 @pytest.mark.parametrize("options,message", [(["--limit", "0"], "--limit must be at least 1, got 0"),

@@ -85,6 +85,8 @@ def prepare(bench: Benchmark, # what to prepare
     for draw in bench.draws:
         before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
         rows, sampled = select(draw, views[draw.view], shipped, seed, limit, before)
+        if not sampled and limit is None and len(rows) != draw.n:
+            print(f"warning: {split} fixes {len(rows)} images of the draw {draw.scope}, not the paper's {draw.n}", file=sys.stderr)
         if sampled and limit is not None:  # the full draw's images too, as in the full run (unless the source is too small for it)
             ranked = rank(set(draw.pick(views[draw.view])) - before, seed, draw.scope)
             before.update(ranked[:draw.n] if len(ranked) >= draw.n else ())
@@ -303,8 +305,9 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
               f"{'' if resize is None else f'; --resize {resize}: {RESIZED_AS[bench.resize_like]}'}):"]
     for d in bench.draws:
         fixed = fixed_rows(d, rows)
-        n = d.n if limit is None else min(d.n, limit)
-        how = (f"fixed by the split file ({len(fixed)} rows)" if fixed else
+        n = len(fixed) or d.n  # what the run writes
+        n = n if limit is None else min(n, limit)
+        how = (f"fixed by the split file ({len(fixed)} rows{'' if len(fixed) == d.n else f'; the paper draws {d.n}'})" if fixed else
                f"sampled on the first run with seed {seed}" + (", among the images no test draw took" if d.shift == FIT else "")
                + ("" if limit else ", then added to the split file"))
         folder = f"{d.shift}/{d.labels[0] if len(d.labels) == 1 else '<class>'}/"

@@ -875,6 +875,27 @@ def test_limit_takes_a_subset_of_the_full_draw_and_leaves_the_split_alone(served
     assert fives(other) != fives(larger), "the seed decides the draws the split file does not fix"
 
 
+def test_a_split_file_fixing_fewer_images_than_the_paper_is_reported_and_warned(served_ophthalmology, capsys):
+    "A split file with 100 'fives,id,normal' rows: the dry run said 150 would be written, the real run wrote 100 without a word."
+    s = served_ophthalmology
+    normal = sorted(k for k in (ophthalmology.fives_view({"fives": ophthalmology_fives(s)}).keys) if k.endswith("_N.png"))[:100]
+    with open(s.split, "a") as f:
+        f.writelines(f"fives,id,normal,{k}\n" for k in normal)
+    assert ophthalmology.main(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out"), "--dry-run"] + s.base) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[0] for line in out.splitlines() if "id/normal/" in line] == ["100"] and err == ""
+    assert "fixed by the split file (100 rows; the paper draws 150)" in out
+    common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out")] + s.base)
+    assert len(list((s.tmp / "out" / "id" / "normal").iterdir())) == 100
+    assert capsys.readouterr().err.splitlines()[-1] == (f"warning: {s.split} fixes 100 images of the draw fives/id/normal, "
+                                                        "not the paper's 150")
+
+
+def ophthalmology_fives(s):
+    "The FIVES folder the served ophthalmology sources use."
+    return Path(next(a for a in s.base if a.startswith("fives=")).partition("=")[2])
+
+
 def test_a_split_naming_a_missing_image_is_refused(served_ophthalmology):
     s = served_ophthalmology
     with open(s.split, "a") as f:

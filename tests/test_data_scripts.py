@@ -1872,6 +1872,18 @@ def test_prepare_all_refuses_bad_options_once_before_any_benchmark(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_all_refuses_a_raw_inside_a_later_benchmarks_out_before_any_benchmark(tmp_path, monkeypatch, capsys):
+    "--raw <out>/pathology passed ophthalmology's turn (a real run downloads ~3.5 GB) and failed only at pathology's."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before --raw was checked"))
+    for dry in (["--dry-run"], []):
+        assert prepare_all.cli(["--out", str(tmp_path / "pa"), "--raw", str(tmp_path / "pa" / "pathology"),
+                                "--only", "ophthalmology", "pathology", *dry]) == 1
+        out, err = capsys.readouterr()
+        assert err == f"error: --raw {tmp_path / 'pa' / 'pathology'} is also --out; keep downloads in a folder outside it\n"
+        assert "==>" not in out
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
 def test_prepare_all_goes_on_after_a_benchmark_fails_unexpectedly(tmp_path, monkeypatch, capsys):
     "A benchmark that fails in a way nobody foresaw gets one line and exit code 1; the others still run; Ctrl-C still stops all."
     real = common.run

@@ -422,6 +422,13 @@ def test_the_dry_run_refuses_a_split_row_no_draw_takes(tmp_path):
         common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
 
 
+def test_a_repeated_split_row_is_named_with_its_lines(tmp_path):
+    "A row given twice reached the writing as 'X and X would both be written to ...', naming neither the row nor its line."
+    (tmp_path / "s.csv").write_text("source,shift,label,original\npcam,id,benign,test/4\npcam,id,benign,test/5\npcam,id,benign,test/4\n")
+    with pytest.raises(ValueError, match=r"s\.csv, line 4: pcam,id,benign,test/4 again \(line 2\); remove one"):
+        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
+
+
 def test_the_benchmarks_fit_draws():
     for bench in BENCHMARKS:
         fit = tuple(d for d in bench.draws if d.shift == "fit")

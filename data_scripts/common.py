@@ -261,6 +261,14 @@ def check_counts(limit: int | None, resize: int | None) -> None:
             raise ValueError(f"--{name} must be at least 1, got {value}")
 
 
+def check_file(option: str, # the option, e.g. "--split"
+               path: Path | None, # its value; None: not given
+               ) -> None:
+    """Refuse a folder given where a file is read."""
+    if path is not None and path.expanduser().is_dir():
+        raise ValueError(f"{option} {path.expanduser()} is a folder, not a file")
+
+
 def check_outside(option: str, # the option, e.g. "--raw"
                   path: Path, # its value
                   out: Path, # the prepared folder
@@ -331,6 +339,8 @@ def run(bench: Benchmark, # the benchmark to prepare
     args = parser(description, bench.name).parse_args(argv)
     # '--out=~/x' reaches us as typed: no shell expands a '~' after '='
     args.out, args.split, args.manifest = (p.expanduser() for p in (args.out, args.split, args.manifest))
+    check_file("--split", args.split)
+    check_file("--manifest", args.manifest)
     manifest = load_manifest(args.manifest, bench.keys())
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())

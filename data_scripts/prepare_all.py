@@ -19,7 +19,7 @@ if __name__ == "__main__":  # Ctrl-C while the imports below load (torch takes s
 import ophthalmology
 import pathology
 import radiology
-from common import check_counts, check_outside, command, default_raw, main, parse_local
+from common import check_counts, check_file, check_outside, command, default_raw, main, parse_local
 
 BENCHMARKS = {m.BENCHMARK.name: m for m in (ophthalmology, radiology, pathology)}
 
@@ -43,6 +43,7 @@ def cli(argv=None) -> int:
     args = p.parse_args(argv)
     try:  # the options every benchmark shares, checked once before any of them starts
         check_counts(args.limit, args.resize)
+        check_file("--manifest", args.manifest)
         parse_local(args.local, sorted({k for name in args.only for k in BENCHMARKS[name].BENCHMARK.keys()}))
         for name in args.only:
             check_outside("--raw", (args.raw or default_raw()).expanduser(), args.out.expanduser() / name, "downloads")

@@ -429,6 +429,17 @@ def test_a_repeated_split_row_is_named_with_its_lines(tmp_path):
         common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
 
 
+@pytest.mark.parametrize("option", ["--split", "--manifest"])
+def test_a_folder_given_for_a_file_names_the_option(tmp_path, capsys, option):
+    "'[Errno 21] Is a directory' named the folder but not the option that gave it."
+    assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), option, str(tmp_path), "--dry-run"]) == 1
+    assert capsys.readouterr().err == f"error: {option} {tmp_path} is a folder, not a file\n"
+    if option == "--manifest":  # prepare_all's shared option: named once, before any benchmark
+        assert prepare_all.cli(["--out", str(tmp_path / "o"), option, str(tmp_path), "--dry-run"]) == 1
+        out, err = capsys.readouterr()
+        assert err == f"error: {option} {tmp_path} is a folder, not a file\n" and "==>" not in out
+
+
 def test_the_benchmarks_fit_draws():
     for bench in BENCHMARKS:
         fit = tuple(d for d in bench.draws if d.shift == "fit")

@@ -348,6 +348,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     check_outside("--raw", raw, args.out, "downloads")
     check_outside("--split", args.split, args.out, "the split file")  # the rows a first run samples would go with the old --out
     if args.dry_run:
+        check_claimable(args.out, bench.name)  # what the run would refuse at once
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     with lock_folder(args.out):  # held from the first download to the last write: a second run on --out stops at once
         check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads

@@ -1963,6 +1963,9 @@ def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, mo
         if case == "busy": held.enter_context(hold_lock(tmp_path / ".out.lock"))  # as a run writing out holds it
         with pytest.raises((ValueError, OSError), match=message):
             common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
+    if case != "busy":  # the dry run refuses it too ('--out afile' printed 'Also written: afile/split.csv' and exited 0)
+        with pytest.raises((ValueError, OSError), match=message):
+            common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local, "--dry-run"])
     assert case != "foreign" or (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert case != "hand-made" or (tmp_path / "out" / "id/a/x.png").exists()
 

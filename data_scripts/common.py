@@ -38,6 +38,7 @@ class Benchmark:
     prompt_sources: dict = field(default_factory=dict)  # prompt set name -> manifest key of the notebook that holds it
     prompt_classes: dict = field(default_factory=dict)  # the notebooks' class keys -> our class folders
     prompt_note: str = ""  # why there are no prompt sets, for the dry run
+    resize_like: str = "clip"  # whose resize --resize repeats: "clip" (short side, PIL bicubic) or "flair" (long side, FLAIR's filter)
 
     def check(self) -> None:
         """Raise ``ValueError`` if the description is inconsistent."""
@@ -52,6 +53,8 @@ class Benchmark:
                 raise ValueError(f"{self.name}: {d.shift} draw labels {d.labels} are not classes {self.classes}")
             if before is not None and before.shift == FIT and d.shift != FIT:
                 raise ValueError(f"{self.name}: the {d.shift} draw {d.scope} follows a fit draw; fit draws come last")
+        if self.resize_like not in RESIZED_AS:
+            raise ValueError(f"{self.name}: resize_like {self.resize_like!r} is none of {sorted(RESIZED_AS)}")
         if self.prompt_sources and sorted(set(self.prompt_classes.values())) != sorted(self.classes):
             raise ValueError(f"{self.name}: prompt_classes maps to {sorted(set(self.prompt_classes.values()))}, "
                              f"not to the classes {list(self.classes)}")
@@ -70,7 +73,7 @@ def prepare(bench: Benchmark, # what to prepare
             progressbar: bool = True, # show tqdm bars
             sources: dict | None = None, # manifest key -> how the file was verified and its SHA-256, for classes.json
             prompts: dict | None = None, # prompt set name -> class folder -> prompts, for prompt_sets.json
-            resize: int | None = None, # store images at this many pixels on the short side (larger ones only); None: byte for byte
+            resize: int | None = None, # store larger images at this size, as the benchmark's model resizes them (`resized`); None: byte for byte
             locked: bool = False, # the caller holds ``out``'s lock already (``lock_folder``)
             ) -> list[dict]:
     """Select every draw's images, write them under ``out`` with split.csv, classes.json and any prompt sets; return the split.csv rows."""
@@ -82,6 +85,8 @@ def prepare(bench: Benchmark, # what to prepare
     for draw in bench.draws:
         before = taken.setdefault(draw.view, set())  # keys of this view earlier draws chose: a fit image is never a test image
         rows, sampled = select(draw, views[draw.view], shipped, seed, limit, before)
+        if not sampled and limit is None and len(rows) != draw.n:
+            print(f"warning: {split} fixes {len(rows)} images of the draw {draw.scope}, not the paper's {draw.n}", file=sys.stderr)
         if sampled and limit is not None:  # the full draw's images too, as in the full run (unless the source is too small for it)
             ranked = rank(set(draw.pick(views[draw.view])) - before, seed, draw.scope)
             before.update(ranked[:draw.n] if len(ranked) >= draw.n else ())
@@ -105,7 +110,7 @@ def prepare(bench: Benchmark, # what to prepare
                 row = wanted[key]
                 check_image(data, f"{view_name}:{key}")
                 if resize is not None:
-                    data = resized(data, resize, f"{view_name}:{key}")
+                    data = resized(data, resize, f"{view_name}:{key}", bench.resize_like)
                 target = targets[view_name, key]
                 (folder / target).parent.mkdir(parents=True, exist_ok=True)
                 (folder / target).write_bytes(data)
@@ -123,33 +128,26 @@ RESIZE_JPEG_QUALITY = 95  # a resized JPEG is encoded again, at this quality; PN
 RESIZE_PNG_LEVEL = 0  # a resized PNG is stored without zlib compression: about 3x the bytes, decoded about twice as fast
 
 
+RESIZED_AS = {"clip": "short side to N, PIL bicubic, the long side truncated as torchvision's Resize(N) computes it",
+              "flair": "long side to N as FLAIR's preprocessing resizes it (torch bilinear, antialiased), in 8-bit RGB"}
+
+
 def resized(data: bytes, # an image file's bytes
-            short_side: int, # pixels on the short side of the stored image
+            n: int, # pixels on the stored image's short side ("clip") or long side ("flair")
             what: str, # names the image in errors, e.g. view:key
+            like: str = "clip", # whose resize to repeat, a key of RESIZED_AS
             ) -> bytes:
-    """The image shrunk to ``short_side`` pixels on its short side (PIL, bicubic), in its own format (16- or 32-bit grey in 8 bits, as the model reads it); a smaller image unchanged."""
+    """The image shrunk as the model resizes it to ``n`` (``RESIZED_AS[like]``), in its own format; a smaller image unchanged."""
     import io
 
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            fmt, (w, h) = {"MPO": "JPEG"}.get(image.format, image.format), image.size  # MPO: a JPEG with a multi-picture marker
-            if min(w, h) <= short_side:
+            fmt = {"MPO": "JPEG"}.get(image.format, image.format)  # MPO: a JPEG with a multi-picture marker
+            if (max if like == "flair" else min)(image.size) <= n:
                 return data
-            if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
-                image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
-            if image.mode.startswith("I"):  # 16- or 32-bit grey reaches the model scaled by the bit depth of its maximum, which a
-                # resize can change (a small bright spot smoothed away): in 8 bits first, as the model reads the original
-                from proton.models.vlm import as_rgb_image
-
-                image = as_rgb_image(image).convert("L")
-            size = (short_side, round(h * short_side / w)) if w <= h else (round(w * short_side / h), short_side)
-            if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
-                # and the model reads the colours without the alpha (convert("RGB"))
-                small = Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])
-            else:
-                small = image.resize(size, Image.Resampling.BICUBIC)
+            small = (flair_resized if like == "flair" else clip_resized)(image, n)
         out = io.BytesIO()
         small.save(out, format=fmt,
                    **{"JPEG": {"quality": RESIZE_JPEG_QUALITY}, "PNG": {"compress_level": RESIZE_PNG_LEVEL}}.get(fmt, {}))
@@ -157,6 +155,40 @@ def resized(data: bytes, # an image file's bytes
         raise LayoutError(f"{what} could not be resized ({type(err).__name__}: {err}); "
                           "without --resize it is copied byte for byte") from err
     return out.getvalue()
+
+
+def clip_resized(image, # a PIL image larger than `n` on its short side
+                 n: int, # pixels on the short side
+                 ):
+    """``image`` as torchvision's ``Resize(n)`` (PIL bicubic) makes it, 16- or 32-bit grey in 8 bits as the model reads it."""
+    from PIL import Image
+
+    if image.mode in ("P", "1"):  # palette and 1-bit images resample only by nearest neighbour: widen them first
+        image = image.convert("L" if image.mode == "1" else "RGBA" if "transparency" in image.info else "RGB")
+    if image.mode.startswith("I"):  # 16- or 32-bit grey reaches the model scaled by the bit depth of its maximum, which a
+        # resize can change (a small bright spot smoothed away): in 8 bits first, as the model reads the original
+        from proton.models.vlm import as_rgb_image
+
+        image = as_rgb_image(image).convert("L")
+    w, h = image.size  # the long side truncated, as torchvision's Resize(N) computes it: the model resamples the stored image no further
+    size = (n, int(h * n / w)) if w <= h else (int(w * n / h), n)
+    if "A" in image.getbands():  # each band on its own: PIL's premultiplied resize turns transparent pixels black,
+        # and the model reads the colours without the alpha (convert("RGB"))
+        return Image.merge(image.mode, [band.resize(size, Image.Resampling.BICUBIC) for band in image.split()])
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def flair_resized(image, # a PIL image larger than `n` on its long side
+                  n: int, # pixels on the long side
+                  ):
+    """``image`` as FLAIR's preprocessing resizes it to ``n`` (its content, without the padding), in 8-bit RGB: FLAIR resamples it no further."""
+    from PIL import Image
+
+    from proton.models.flair import _content_size, flair_preprocess
+
+    h, w = _content_size(image.height, image.width, n)
+    x = flair_preprocess(image, n)[:, :h, :w]
+    return Image.fromarray((x * 255).round().byte().permute(1, 2, 0).numpy())
 
 
 def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sources: dict, resize: int | None = None) -> None:
@@ -170,8 +202,9 @@ def write_classes(bench: Benchmark, out: Path, table: list[dict], seed: int, sou
                        templated_prompts={c: [bench.prompt_template.format(name)] for c, name in zip(bench.classes, bench.class_names)},
                        ood_to_id=bench.ood_to_id, counts=counts, seed=seed, sources=sources,
                        prompt_set_sources=dict(bench.prompt_sources),
-                       resize=None if resize is None else {"short_side": resize, "resampling": "PIL bicubic",
-                                                           "formats": f"kept; PNG and TIFF lossless, JPEG re-encoded at quality {RESIZE_JPEG_QUALITY}"})
+                       resize=resize, resized_as=None if resize is None else {
+                           "resampling": RESIZED_AS[bench.resize_like],
+                           "formats": f"kept; PNG and TIFF lossless, JPEG re-encoded at quality {RESIZE_JPEG_QUALITY}"})
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -199,8 +232,9 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None,
                    help="at most this many images per draw, for a quick smoke test (the split file is not changed)")
     p.add_argument("--resize", type=int, default=None, metavar="N",
-                   help="store images larger than N pixels on the short side at N (e.g. the model's input size), "
-                        "in their own format (PNG lossless and uncompressed, to decode fast); default: byte for byte")
+                   help="store images larger than N at N as the benchmark's model resizes them (ophthalmology: the long "
+                        "side, as FLAIR; the others: the short side, as the CLIP models), never enlarged, e.g. the model's "
+                        "input size, in their own format (PNG lossless and uncompressed, to decode fast); default: byte for byte")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -225,6 +259,14 @@ def check_counts(limit: int | None, resize: int | None) -> None:
     for name, value in (("limit", limit), ("resize", resize)):
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
+
+
+def check_file(option: str, # the option, e.g. "--split"
+               path: Path | None, # its value; None: not given
+               ) -> None:
+    """Refuse a folder given where a file is read."""
+    if path is not None and path.expanduser().is_dir():
+        raise ValueError(f"{option} {path.expanduser()} is a folder, not a file")
 
 
 def check_outside(option: str, # the option, e.g. "--raw"
@@ -268,11 +310,12 @@ def plan(bench: Benchmark, manifest: dict, raw: Path, out: Path, split: Path, se
     rows = read_split(split, bench.draws)
     lines += ["", f"Images, written to {out}/<shift>/<label>/ (split file {split}"
               f"{'' if split.exists() else ', not there yet'}"
-              f"{'' if resize is None else f'; resized to {resize} pixels on the short side'}):"]
+              f"{'' if resize is None else f'; --resize {resize}: {RESIZED_AS[bench.resize_like]}'}):"]
     for d in bench.draws:
         fixed = fixed_rows(d, rows)
-        n = d.n if limit is None else min(d.n, limit)
-        how = (f"fixed by the split file ({len(fixed)} rows)" if fixed else
+        n = len(fixed) or d.n  # what the run writes
+        n = n if limit is None else min(n, limit)
+        how = (f"fixed by the split file ({len(fixed)} rows{'' if len(fixed) == d.n else f'; the paper draws {d.n}'})" if fixed else
                f"sampled on the first run with seed {seed}" + (", among the images no test draw took" if d.shift == FIT else "")
                + ("" if limit else ", then added to the split file"))
         folder = f"{d.shift}/{d.labels[0] if len(d.labels) == 1 else '<class>'}/"
@@ -296,6 +339,8 @@ def run(bench: Benchmark, # the benchmark to prepare
     args = parser(description, bench.name).parse_args(argv)
     # '--out=~/x' reaches us as typed: no shell expands a '~' after '='
     args.out, args.split, args.manifest = (p.expanduser() for p in (args.out, args.split, args.manifest))
+    check_file("--split", args.split)
+    check_file("--manifest", args.manifest)
     manifest = load_manifest(args.manifest, bench.keys())
     raw = (args.raw or default_raw()).expanduser()
     local = parse_local(args.local, bench.keys())
@@ -303,6 +348,7 @@ def run(bench: Benchmark, # the benchmark to prepare
     check_outside("--raw", raw, args.out, "downloads")
     check_outside("--split", args.split, args.out, "the split file")  # the rows a first run samples would go with the old --out
     if args.dry_run:
+        check_claimable(args.out, bench.name)  # what the run would refuse at once
         return plan(bench, manifest, raw, args.out, args.split, args.seed, local, args.limit, args.resize)
     with lock_folder(args.out):  # held from the first download to the last write: a second run on --out stops at once
         check_claimable(args.out, bench.name)  # what would stop the writing, before hours of downloads

@@ -77,6 +77,7 @@ BENCHMARK = Benchmark(
     ),
     prompt_sources={"L1": "ju_prompts_ophthalmology_l1", "L5": "ju_prompts_ophthalmology_l5"},
     prompt_classes={"N/": "normal", "D/": "diabetic_retinopathy"},
+    resize_like="flair",  # the paper's ophthalmology model
 )
 
 if __name__ == "__main__":

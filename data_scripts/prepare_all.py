@@ -19,7 +19,7 @@ if __name__ == "__main__":  # Ctrl-C while the imports below load (torch takes s
 import ophthalmology
 import pathology
 import radiology
-from common import check_counts, command, main, parse_local
+from common import check_counts, check_file, check_outside, command, default_raw, main, parse_local
 
 BENCHMARKS = {m.BENCHMARK.name: m for m in (ophthalmology, radiology, pathology)}
 
@@ -34,14 +34,19 @@ def cli(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list what would be fetched and written; no network")
     p.add_argument("--manifest", type=Path, help="manifest of sources")
     p.add_argument("--limit", type=int, help="at most this many images per draw (smoke test)")
-    p.add_argument("--resize", type=int, help="store images at this many pixels on the short side (see the single scripts' --help)")
+    p.add_argument("--resize", type=int, metavar="N",
+                   help="store images larger than N at N, never enlarged: pathology and radiology on the short side, as "
+                        "the CLIP models resize them; ophthalmology on the long side, as FLAIR does (e.g. 224, or 512 for FLAIR)")
     p.add_argument("--local", action="append", default=[], metavar="SOURCE=PATH",
                    help="use a local copy of a source; passed to the benchmarks that use that source")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     try:  # the options every benchmark shares, checked once before any of them starts
         check_counts(args.limit, args.resize)
+        check_file("--manifest", args.manifest)
         parse_local(args.local, sorted({k for name in args.only for k in BENCHMARKS[name].BENCHMARK.keys()}))
+        for name in args.only:
+            check_outside("--raw", (args.raw or default_raw()).expanduser(), args.out.expanduser() / name, "downloads")
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -72,7 +72,7 @@ def read_split(path: Path, # a split file
     path, draws = Path(path), tuple(draws)
     if not path.exists():
         return []
-    rows = []
+    rows, lines = [], {}  # row -> the line it is on
     with open_csv(path) as f:  # UTF-8, a byte-order mark (Excel's 'CSV UTF-8') not part of the header; else an error naming the file
         reader = csv.reader(f)
         header = next(reader, None)
@@ -90,6 +90,9 @@ def read_split(path: Path, # a split file
             if draws and not any(fixed_rows(d, [row]) for d in draws):
                 raise ValueError(f"{where}: no draw takes {row.source}/{row.shift}/{row.label}; "
                                  f"the draws are {', '.join(d.scope for d in draws)}")
+            if row in lines:
+                raise ValueError(f"{where}: {','.join(fields)} again (line {lines[row]}); remove one")
+            lines[row] = reader.line_num
             rows.append(row)
     return rows
 

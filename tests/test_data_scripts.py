@@ -422,6 +422,24 @@ def test_the_dry_run_refuses_a_split_row_no_draw_takes(tmp_path):
         common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
 
 
+def test_a_repeated_split_row_is_named_with_its_lines(tmp_path):
+    "A row given twice reached the writing as 'X and X would both be written to ...', naming neither the row nor its line."
+    (tmp_path / "s.csv").write_text("source,shift,label,original\npcam,id,benign,test/4\npcam,id,benign,test/5\npcam,id,benign,test/4\n")
+    with pytest.raises(ValueError, match=r"s\.csv, line 4: pcam,id,benign,test/4 again \(line 2\); remove one"):
+        common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), "--split", str(tmp_path / "s.csv"), "--dry-run"])
+
+
+@pytest.mark.parametrize("option", ["--split", "--manifest"])
+def test_a_folder_given_for_a_file_names_the_option(tmp_path, capsys, option):
+    "'[Errno 21] Is a directory' named the folder but not the option that gave it."
+    assert pathology.main(pathology.BENCHMARK, ["--out", str(tmp_path / "o"), option, str(tmp_path), "--dry-run"]) == 1
+    assert capsys.readouterr().err == f"error: {option} {tmp_path} is a folder, not a file\n"
+    if option == "--manifest":  # prepare_all's shared option: named once, before any benchmark
+        assert prepare_all.cli(["--out", str(tmp_path / "o"), option, str(tmp_path), "--dry-run"]) == 1
+        out, err = capsys.readouterr()
+        assert err == f"error: {option} {tmp_path} is a folder, not a file\n" and "==>" not in out
+
+
 def test_the_benchmarks_fit_draws():
     for bench in BENCHMARKS:
         fit = tuple(d for d in bench.draws if d.shift == "fit")
@@ -873,6 +891,27 @@ def test_limit_takes_a_subset_of_the_full_draw_and_leaves_the_split_alone(served
                        + ["--seed", "1", "--split", str(s.tmp / "none.csv")])  # the last --split wins
     fives = lambda rows: {r["file"] for r in rows if r["source"] == "fives"}  # noqa: E731
     assert fives(other) != fives(larger), "the seed decides the draws the split file does not fix"
+
+
+def test_a_split_file_fixing_fewer_images_than_the_paper_is_reported_and_warned(served_ophthalmology, capsys):
+    "A split file with 100 'fives,id,normal' rows: the dry run said 150 would be written, the real run wrote 100 without a word."
+    s = served_ophthalmology
+    normal = sorted(k for k in (ophthalmology.fives_view({"fives": ophthalmology_fives(s)}).keys) if k.endswith("_N.png"))[:100]
+    with open(s.split, "a") as f:
+        f.writelines(f"fives,id,normal,{k}\n" for k in normal)
+    assert ophthalmology.main(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out"), "--dry-run"] + s.base) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[0] for line in out.splitlines() if "id/normal/" in line] == ["100"] and err == ""
+    assert "fixed by the split file (100 rows; the paper draws 150)" in out
+    common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out")] + s.base)
+    assert len(list((s.tmp / "out" / "id" / "normal").iterdir())) == 100
+    assert capsys.readouterr().err.splitlines()[-1] == (f"warning: {s.split} fixes 100 images of the draw fives/id/normal, "
+                                                        "not the paper's 150")
+
+
+def ophthalmology_fives(s):
+    "The FIVES folder the served ophthalmology sources use."
+    return Path(next(a for a in s.base if a.startswith("fives=")).partition("=")[2])
 
 
 def test_a_split_naming_a_missing_image_is_refused(served_ophthalmology):
@@ -1678,6 +1717,7 @@ def test_a_kaggle_file_is_checked_against_what_the_manifest_knows(tmp_path):
 
 
 def test_resize_stores_images_at_the_short_side_losslessly_for_png(served_ophthalmology):
+    from proton.models.flair import flair_preprocess
     s = served_ophthalmology
     plain = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "plain"), "--limit", "3"] + s.base)
     small = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "small"), "--limit", "3", "--resize", "2"] + s.base)
@@ -1685,10 +1725,11 @@ def test_resize_stores_images_at_the_short_side_losslessly_for_png(served_ophtha
     for r in small:
         before, after = Image.open(s.tmp / "plain" / r["file"]), Image.open(s.tmp / "small" / r["file"])
         assert before.size == (4, 4) and after.size == (2, 2) and after.format == before.format
-        if after.format == "PNG":  # lossless: exactly PIL's bicubic resize of the original
-            assert np.array_equal(np.asarray(after), np.asarray(before.resize((2, 2), Image.Resampling.BICUBIC)))
+        if after.format == "PNG":  # lossless: FLAIR's resize of the original, rounded to 8 bits
+            assert (flair_preprocess(after, 2) - flair_preprocess(before, 2)).abs().max() * 255 <= 0.5 + 1e-3
     classes = json.loads((s.tmp / "small" / "classes.json").read_text())
-    assert classes["resize"]["short_side"] == 2 and json.loads((s.tmp / "plain" / "classes.json").read_text())["resize"] is None
+    assert classes["resize"] == 2 and "FLAIR" in classes["resized_as"]["resampling"]
+    assert json.loads((s.tmp / "plain" / "classes.json").read_text())["resize"] is None
     common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "large"), "--limit", "3", "--resize", "4"] + s.base)
     assert all((s.tmp / "large" / r["file"]).read_bytes() == (s.tmp / "plain" / r["file"]).read_bytes() for r in plain)  # not enlarged
     with pytest.raises(ValueError, match="--resize must be at least 1"):
@@ -1707,6 +1748,65 @@ def test_resized_keeps_format_and_mode_and_the_short_side(mode, size):
     out = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 60, "x")))
     assert out.format == "PNG" and min(out.size) == 60 and out.size[0] / out.size[1] == pytest.approx(size[0] / size[1], rel=0.02)
     assert out.mode == {"P": "RGB", "I;16": "L"}.get(mode, mode)  # 16 bits: in 8, as the model reads them
+
+
+@pytest.fixture(scope="module")
+def clip_preprocess():
+    "An open_clip model's preprocessing (random weights): torchvision's Resize(224), bicubic, then its centre crop."
+    from proton.models import load_vlm
+    return load_vlm("open_clip:ViT-S-32/none").preprocess
+
+
+@pytest.mark.parametrize("size", [(500, 375), (375, 500), (640, 480), (320, 426), (1000, 667), (300, 300)])
+def test_a_resized_image_gives_the_clip_model_the_input_of_the_original(clip_preprocess, size):
+    "Resize(224) truncates the long side (500x375 -> 298x224); resized() rounded it (299x224), so the model resampled again: up to 132/255 off."
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    stored = Image.open(io.BytesIO(common.resized(buffer.getvalue(), 224, "x")))
+    assert min(stored.size) == 224
+    np.testing.assert_array_equal(clip_preprocess(stored).numpy(), clip_preprocess(image).numpy())
+
+
+def fundus_png(size, seed):
+    "A fundus-like photograph as PNG: a bright disc on black, with vessels 2-6 px wide and sensor noise."
+    from PIL import ImageDraw
+    rng = np.random.default_rng(seed)
+    image = Image.new("RGB", size)
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((size[0] // 40, size[1] // 40, size[0] * 39 // 40, size[1] * 39 // 40), fill=(190, 80, 40))
+    for _ in range(150):
+        draw.line(tuple(rng.integers(0, min(size), 4)), fill=(120, 30, 20), width=int(rng.integers(2, 7)))
+    noisy = np.clip(np.asarray(image, np.int16) + rng.integers(-6, 7, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noisy).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+FUNDUS_SIZES = [(2048, 2048), (1600, 1200), (1200, 1600), (2000, 1333)]  # FIVES' square PNGs, and other cameras' shapes
+
+
+def test_resize_stores_ophthalmology_images_as_flair_resizes_them(served_ophthalmology):
+    "FLAIR scales the long side to 512 (bilinear, antialiased): PIL bicubic on the short side gave it other inputs (1600x1200: one row short)."
+    from proton.models.flair import flair_preprocess
+    s = served_ophthalmology
+    fives = make_dir(s.tmp / "fives", {f"train/Original/{i}_{code}.png": fundus_png(FUNDUS_SIZES[i % 4], i)
+                                       for i, code in enumerate("NNDDGGAA")})
+    table = common.run(ophthalmology.BENCHMARK, ["--out", str(s.tmp / "out"), "--limit", "1", "--resize", "512"] + s.base
+                       + ["--local", f"fives={fives}"])
+    sizes, diffs = set(), []
+    for r in table:
+        if r["source"] == "fives":
+            original = Image.open(fives / "train/Original" / r["file"].rsplit("/", 1)[1].removeprefix("train_"))
+            stored = Image.open(s.tmp / "out" / r["file"])
+            sizes.add(original.size)
+            assert max(stored.size) == 512 and stored.format == "PNG"
+            diffs.append((flair_preprocess(stored) - flair_preprocess(original)).abs().numpy() * 255)
+    assert len(sizes) == 4
+    assert max(d.max() for d in diffs) <= 0.5 + 1e-3 and max(d.mean() for d in diffs) <= 0.26  # 8-bit rounding, no more (README)
+    classes = json.loads((s.tmp / "out" / "classes.json").read_text())
+    assert classes["resize"] == 512
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
@@ -1773,7 +1873,8 @@ def test_a_resized_wide_grey_image_looks_to_the_model_as_the_original_does(fmt, 
 
 def test_prepare_all_passes_resize_on(tmp_path, capsys):
     assert prepare_all.cli(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), "--dry-run", "--resize", "224"]) == 0
-    assert capsys.readouterr().out.count("resized to 224 pixels on the short side") == len(BENCHMARKS)
+    out = capsys.readouterr().out
+    assert out.count("--resize 224: short side to N") == len(BENCHMARKS) - 1 and out.count("--resize 224: long side to N as FLAIR") == 1
 
 
 @pytest.mark.parametrize("options,message", [(["--limit", "0"], "--limit must be at least 1, got 0"),
@@ -1787,6 +1888,18 @@ def test_prepare_all_refuses_bad_options_once_before_any_benchmark(tmp_path, cap
     out, err = capsys.readouterr()
     assert message in err and err.count("error") == 1 and "==>" not in out, (out, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_all_refuses_a_raw_inside_a_later_benchmarks_out_before_any_benchmark(tmp_path, monkeypatch, capsys):
+    "--raw <out>/pathology passed ophthalmology's turn (a real run downloads ~3.5 GB) and failed only at pathology's."
+    monkeypatch.setattr(fetching, "download", lambda *a, **k: pytest.fail("downloaded before --raw was checked"))
+    for dry in (["--dry-run"], []):
+        assert prepare_all.cli(["--out", str(tmp_path / "pa"), "--raw", str(tmp_path / "pa" / "pathology"),
+                                "--only", "ophthalmology", "pathology", *dry]) == 1
+        out, err = capsys.readouterr()
+        assert err == f"error: --raw {tmp_path / 'pa' / 'pathology'} is also --out; keep downloads in a folder outside it\n"
+        assert "==>" not in out
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
 
 
 def test_prepare_all_goes_on_after_a_benchmark_fails_unexpectedly(tmp_path, monkeypatch, capsys):
@@ -1850,6 +1963,9 @@ def test_what_would_stop_the_writing_is_refused_before_any_download(tmp_path, mo
         if case == "busy": held.enter_context(hold_lock(tmp_path / ".out.lock"))  # as a run writing out holds it
         with pytest.raises((ValueError, OSError), match=message):
             common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local])
+    if case != "busy":  # the dry run refuses it too ('--out afile' printed 'Also written: afile/split.csv' and exited 0)
+        with pytest.raises((ValueError, OSError), match=message):
+            common.run(pathology.BENCHMARK, ["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *split, *local, "--dry-run"])
     assert case != "foreign" or (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert case != "hand-made" or (tmp_path / "out" / "id/a/x.png").exists()
 

@@ -69,3 +69,13 @@ def test_writers_write_utf8_under_an_ascii_locale(tmp_path):
     folder = read_prepared(root)
     assert folder.prompt_sets["L1"] == {"a": ["drusen \u2013 early AMD"], "b": ["caf\u00e9"]}
     assert folder.prompts["a"] == ["a \u2013 1"]
+
+
+@pytest.mark.parametrize("rel,deep", [("id/x.png", "1 folder deep"), ("id/a/b/x.png", "3 folders deep")])
+def test_an_image_at_the_wrong_depth_is_named_in_good_english(tmp_path, rel, deep):
+    "An image right under id/ was '1 folders deep'."
+    root = prepared(tmp_path, "file,shift,label,source\nid/a/1.png,id,a,s\nid/b/2.png,id,b,s\n")
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8)).save(root / rel)
+    with pytest.raises(ValueError, match=re.escape(f"{root / rel}: images must sit at <shift>/<class>/<file>, this one is {deep}") + "$"):
+        read_prepared(root)

@@ -229,7 +229,7 @@ def _images_on_disk(root:Path):
             parts = rel.split("/")
             if (not e.is_file() or e.name in SKIPPED_FILES or any(part.startswith(".") for part in parts)
                 or not is_image_file(e.path)): continue  # last: a file without an image suffix is opened to look for the DICOM marker
-            if len(parts) != 3: raise ValueError(f"{root / rel}: images must sit at <shift>/<class>/<file>, this one is {len(parts) - 1} folders deep")
+            if len(parts) != 3: raise ValueError(f"{root / rel}: images must sit at <shift>/<class>/<file>, this one is {len(parts) - 1} folder{'' if len(parts) == 2 else 's'} deep")
             found.append(rel)
     return found
 

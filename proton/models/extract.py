@@ -8,8 +8,8 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'SHA
            'encode_prompt_sets', 'as_float_batch', 'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg',
            'pil_weights', 'pillow_major', 'DevicePreprocess', 'decode_jpegs', 'device_preprocessing', 'worker_fraction',
            'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes', 'shard_ranges', 'shard_path', 'StaleShardError',
-           'read_shard', 'describe_preprocessing', 'file_sha256', 'weights_sha256', 'images_fingerprint',
-           'default_workers', 'check_extract', 'extract', 'SkippedImagesWarning', 'parse_prompts', 'extract_main']
+           'read_shard', 'describe_preprocessing', 'file_sha256', 'weights_sha256', 'images_sha256', 'default_workers',
+           'check_extract', 'extract', 'SkippedImagesWarning', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -544,10 +544,12 @@ def weights_sha256(vlm:VLM): # the model
             h.update(f"{attr}.{k}|{t.dtype}|{t.numel()}|".encode()); h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
-def images_fingerprint(folder:PreparedFolder): # a prepared folder
-    "SHA-256 of the folder's image files by name and size in bytes: it tells the same names holding other images, as when a folder is prepared again at another size."
-    sizes = [(f, p.stat().st_size if p.exists() else None) for f in folder.files for p in [folder.root / f]]
-    return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
+def images_sha256(folder:PreparedFolder): # a prepared folder
+    "SHA-256 of the folder's image files by name and contents (each file's `file_sha256`, None for a missing one): it tells other images under the same names, in files of the same size too."
+    paths = [folder.root / f for f in folder.files]
+    with ThreadPoolExecutor(8) as pool:  # hashlib lets go of the GIL on large blocks: files hash in parallel
+        digests = list(pool.map(lambda p: file_sha256(p) if p.exists() else None, paths))
+    return hashlib.sha256(json.dumps(list(zip(folder.files, digests))).encode()).hexdigest()
 
 def _cpu_threads(vlm:VLM): # the model
     "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1 unless it is set); None elsewhere."
@@ -757,7 +759,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
                 device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
-                n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
+                n_images=len(folder), images_sha256=images_sha256(folder), images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
                 library_version=__version__, torch_version=torch.__version__, created=_created())
 

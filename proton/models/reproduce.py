@@ -29,7 +29,7 @@ from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from ..deploy import check_writable
 from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
-from .extract import SkippedImagesWarning, extract, file_sha256, images_fingerprint
+from .extract import SkippedImagesWarning, extract, file_sha256, images_sha256
 from .vlm import spec_weights
 
 # %% ../../nbs/45_reproduce.ipynb
@@ -75,7 +75,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
                  device=None, # where the model runs; None: CUDA if available
                  amp:bool=False, # extract under float16 autocast (faster on a GPU); False: float32, as the authors run it
                  progress:bool=True): # show progress bars
-    "The domain's embedding cache: reused when its file exists, covers the folder's images (names and sizes) and was made with the same weights (and FLAIR's with `REPRODUCTION_TEXT_POOLING`), else extracted (resumably, local features too)."
+    "The domain's embedding cache: reused when its file exists, covers the folder's images (names and contents) and was made with the same weights (and FLAIR's with `REPRODUCTION_TEXT_POOLING`), else extracted (resumably, local features too)."
     model = model or DOMAINS[domain].model
     path = _cache_file(domain, caches, model)
     weights = spec_weights(model, checkpoint)  # the file extraction hashes into the cache's metadata
@@ -88,9 +88,12 @@ def domain_cache(domain:str, # a key of `DOMAINS`
         covered = set(cache.source or ()) | skipped | {f for f, s in zip(folder.files, folder.shift) if s == "fit"}
         if cache.metadata.get("model") != ALIASES.get(model, model) or covered != set(folder.files):
             raise ValueError(f"{path} exists but was not extracted by {model} from {data}; move it away to extract afresh")
-        made = cache.metadata.get("images_fingerprint")  # None: a cache from before it was recorded
-        if made is not None and made != images_fingerprint(folder):
-            raise ValueError(f"{path} was extracted from other images than {data} holds now (their sizes in bytes differ); move it away to extract afresh")
+        made = cache.metadata.get("images_sha256")
+        if made is None:  # a cache from before it was recorded: its names and sizes (images_fingerprint) cannot tell other pixels
+            raise ValueError(f"{domain}: the cache {path} records no SHA-256 of its images' contents (made before it was recorded, it cannot tell "
+                             "other images under the same names): move it away to extract afresh")
+        if made != images_sha256(folder):
+            raise ValueError(f"{path} was extracted from other images than {data} holds now; move it away to extract afresh")
         made, asked = cache.metadata.get("checkpoint_sha256"), None if weights is None else file_sha256(weights)
         if made != asked:
             raise ValueError(f"{domain}: the cache {path} was made with {_weights(cache.metadata.get('checkpoint'), made)}, but this run asks for "

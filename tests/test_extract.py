@@ -428,6 +428,20 @@ def test_a_dicom_file_without_a_suffix_is_an_image_of_the_folder(tmp_path):
     assert read_prepared(root).sources[folder.files.index("id/normal/IM0001")] == "pacs"
 
 
+@pytest.mark.parametrize("resize, warned", [({"short_side": 50, "resampling": "PIL bicubic"}, True), (50, True), (224, False)])
+def test_a_folder_stored_below_the_models_input_is_said_and_recorded(tmp_path, capsys, resize, warned):
+    """The data scripts' --resize N records N in classes.json; a folder stored below the model's input was upsampled unsaid,
+    and the cache did not record the size its images were stored at."""
+    data = make_prepared(tmp_path / "data")
+    info = json.loads((data / "classes.json").read_text())
+    (data / "classes.json").write_text(json.dumps(info | {"resize": resize}))
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--workers", "0", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    said = re.findall(r"^proton-ood extract: warning: .*$", err, re.M)
+    assert bool([w for w in said if "stored at 50 pixels (--resize 50)" in w and "input of 224 pixels" in w]) == warned, err
+    assert EmbeddingCache.load(tmp_path / "c.npz").metadata["resize"] == (50 if warned else 224)
+
+
 def test_unknown_model(data, tmp_path, capsys):
     assert extract_main(["--model", "biomedclip", "--data", str(data), "--out", str(tmp_path / "c.npz")]) == 1
     err = capsys.readouterr().err

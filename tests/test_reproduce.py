@@ -263,6 +263,26 @@ def test_a_cache_that_records_no_hash_of_its_images_contents_is_not_reused(tmp_p
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 
+def test_a_folder_stored_below_the_models_input_is_refused(tmp_path):
+    """prepare_all.py --resize 224 then reproduce fed FLAIR (512 px) upsampled images, unsaid: the paper's numbers come from
+    images at the model's input or larger. Refused whether the cache is to be extracted or is already there."""
+    from proton.models.reproduce import domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    info = json.loads((data / "classes.json").read_text())
+    small = lambda: (data / "classes.json").write_text(json.dumps(info | {"resize": {"short_side": 40}}))
+    refused = r"^ophthalmology: the images of .*ophthalmology are stored at 40 pixels \(--resize 40\), below .* input of 224 pixels.* --resize 224"
+    small()
+    with pytest.raises(ValueError, match=refused):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    assert not any(caches.glob("*.npz"))
+    (data / "classes.json").write_text(json.dumps(info))
+    domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    small()  # the same image files, now said to be stored small
+    with pytest.raises(ValueError, match=refused):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
 def test_a_vit_cache_whose_local_features_predate_glmcms_value_path_is_not_reused(tmp_path):
     """ViT local features were the final-layer patch tokens until they followed GL-MCM's value path; a cache of before held the old
     ones, recorded nothing that told them apart, and was reused by reproduce: GL-MCM's numbers silently came from the wrong features."""

@@ -9,7 +9,7 @@ __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'SHA
            'pil_weights', 'pillow_major', 'DevicePreprocess', 'decode_jpegs', 'device_preprocessing', 'worker_fraction',
            'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes', 'shard_ranges', 'shard_path', 'StaleShardError',
            'read_shard', 'describe_preprocessing', 'file_sha256', 'weights_sha256', 'images_sha256', 'default_workers',
-           'check_extract', 'extract', 'SkippedImagesWarning', 'parse_prompts', 'extract_main']
+           'check_extract', 'below_input', 'extract', 'SkippedImagesWarning', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -759,7 +759,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
                 device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
-                n_images=len(folder), images_sha256=images_sha256(folder), images_per_shift=counts(list(folder.shift)),
+                n_images=len(folder), images_sha256=images_sha256(folder), resize=folder.resize, images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
                 library_version=__version__, torch_version=torch.__version__, created=_created())
 
@@ -818,6 +818,12 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
     _created()  # a bad SOURCE_DATE_EPOCH is named now, not once every image is embedded
     return folder, prompts, sets, prompt_source, share
 
+def below_input(folder:PreparedFolder, # a prepared folder
+                image_size): # the model's input, (H, W)
+    "The model's input side (the larger of `image_size`) when the folder's images are stored below it (its `resize`, the data scripts' --resize); else None."
+    side = max(image_size)
+    return side if folder.resize is not None and folder.resize < side else None
+
 def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             data_dir:str|os.PathLike, # a prepared folder: <shift>/<class>/<file>, classes.json, split.csv
             prompts=None, # None (classes.json), a list with one prompt per class, a dict class -> prompt(s), or a prompt file
@@ -846,6 +852,9 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
     if local and not vlm.has_local: raise ValueError(f"{vlm.name} has no local (patch) features; extract without local=True")
+    if side := below_input(folder, vlm.image_size):  # a warning, not a refusal: small images may be what a study wants
+        warnings.warn(f"the images of {folder.root} are stored at {folder.resize} pixels (--resize {folder.resize}), below {vlm.name}'s input of {side} pixels: "
+                      f"the model upsamples them; prepare the folder with --resize {side} or more, or without --resize, for embeddings of the full-size images", stacklevel=2)
     on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, share)
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)

@@ -4,12 +4,13 @@
 
 # %% auto 0
 __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'SHARD_FORMAT', 'MAX_WORKERS', 'MAX_BATCH',
-           'MAX_SHARD', 'first_repeat', 'read_prompt_file', 'resolve_prompts', 'tag_prompts', 'resolve_prompt_sets',
-           'encode_prompt_sets', 'as_float_batch', 'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg',
-           'pil_weights', 'pillow_major', 'DevicePreprocess', 'decode_jpegs', 'device_preprocessing', 'worker_fraction',
-           'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes', 'shard_ranges', 'shard_path', 'StaleShardError',
-           'read_shard', 'describe_preprocessing', 'file_sha256', 'weights_sha256', 'images_sha256', 'default_workers',
-           'check_extract', 'below_input', 'extract', 'SkippedImagesWarning', 'parse_prompts', 'extract_main']
+           'MAX_SHARD', 'OPTIONS', 'first_repeat', 'read_prompt_file', 'resolve_prompts', 'tag_prompts',
+           'resolve_prompt_sets', 'encode_prompt_sets', 'as_float_batch', 'ImageFiles', 'stack_images',
+           'collate_images', 'is_jpeg', 'pil_weights', 'pillow_major', 'DevicePreprocess', 'decode_jpegs',
+           'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
+           'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
+           'weights_sha256', 'images_sha256', 'default_workers', 'check_extract', 'below_input', 'extract',
+           'SkippedImagesWarning', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -983,6 +984,13 @@ def _failed(line:str, # what went wrong, in one line
     if shared and grouped: dist.barrier()  # no rank ends before rank 0 has spoken: torchrun stops the others once one ends in error
     return 1
 
+OPTIONS = {"batch_size": "--batch-size", "num_workers": "--workers", "shard_size": "--shard-size", "worker_share": "--worker-share"}  # extract's arguments -> the command line's options
+
+def _as_typed(line:str): # an error's line
+    "`line` with the argument of `extract` it begins with named as the option the user typed."
+    name, sep, rest = line.partition(" ")
+    return OPTIONS.get(name, name) + sep + rest
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -1008,7 +1016,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         return _failed(f"the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
                        "with a smaller one (the shards finished so far are recomputed: the batch size changes the embeddings in their last bits)", e)
     except (ValueError, OSError, ImportError) as e:
-        return _failed(str(e), e)
+        return _failed(_as_typed(str(e)), e)
     if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
     _say(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:

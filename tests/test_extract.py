@@ -428,6 +428,20 @@ def test_a_dicom_file_without_a_suffix_is_an_image_of_the_folder(tmp_path):
     assert read_prepared(root).sources[folder.files.index("id/normal/IM0001")] == "pacs"
 
 
+@pytest.mark.parametrize("resize, warned", [({"short_side": 50, "resampling": "PIL bicubic"}, True), (50, True), (224, False)])
+def test_a_folder_stored_below_the_models_input_is_said_and_recorded(tmp_path, capsys, resize, warned):
+    """The data scripts' --resize N records N in classes.json; a folder stored below the model's input was upsampled unsaid,
+    and the cache did not record the size its images were stored at."""
+    data = make_prepared(tmp_path / "data")
+    info = json.loads((data / "classes.json").read_text())
+    (data / "classes.json").write_text(json.dumps(info | {"resize": resize}))
+    assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--workers", "0", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    said = re.findall(r"^proton-ood extract: warning: .*$", err, re.M)
+    assert bool([w for w in said if "stored at 50 pixels (--resize 50)" in w and "input of 224 pixels" in w]) == warned, err
+    assert EmbeddingCache.load(tmp_path / "c.npz").metadata["resize"] == (50 if warned else 224)
+
+
 def test_unknown_model(data, tmp_path, capsys):
     assert extract_main(["--model", "biomedclip", "--data", str(data), "--out", str(tmp_path / "c.npz")]) == 1
     err = capsys.readouterr().err
@@ -666,10 +680,10 @@ open(f"{str(tmp_path)}/rank{{dist.get_rank()}}.txt", "w").write(cache.content_ha
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["--batch-size", "0"], {}, "batch_size must be an integer from 1 to 65536, got 0"),
-    (["--shard-size", "0"], {}, "shard_size must be an integer from 1 to 1048576, got 0"),
-    (["--workers", "-1"], {}, "num_workers must be an integer from 0 to 1024, got -1"),
-    (["--worker-share", "2"], {}, "worker_share must be a number from 0 to 1"),
+    (["--batch-size", "0"], {}, "error: --batch-size must be an integer from 1 to 65536, got 0"),  # the option typed, not extract's argument
+    (["--shard-size", "0"], {}, "error: --shard-size must be an integer from 1 to 1048576, got 0"),
+    (["--workers", "-1"], {}, "error: --workers must be an integer from 0 to 1024, got -1"),
+    (["--worker-share", "2"], {}, "error: --worker-share must be a number from 0 to 1"),
     (["--prompt-sets", "nope.json"], {}, "no prompt file at nope.json"),
     ([], {"SOURCE_DATE_EPOCH": "abc"}, "SOURCE_DATE_EPOCH must be an integer number of seconds, got 'abc'"),
     ([], {"SOURCE_DATE_EPOCH": "99999999999999999999"}, "SOURCE_DATE_EPOCH=99999999999999999999 is out of range"),
@@ -685,15 +699,14 @@ def test_bad_options_are_named_before_the_model_loads(data, tmp_path, monkeypatc
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, name, low, high", [("--batch-size", "batch_size", 1, 2**16), ("--shard-size", "shard_size", 1, 2**20),
-                                                   ("--workers", "num_workers", 0, 1024)])
+@pytest.mark.parametrize("flag, low, high", [("--batch-size", 1, 2**16), ("--shard-size", 1, 2**20), ("--workers", 0, 1024)])
 @pytest.mark.parametrize("past", [False, True])
-def test_a_size_past_its_bound_is_refused_in_one_line_before_the_model_loads(data, tmp_path, monkeypatch, capsys, flag, name, low, high, past):
+def test_a_size_past_its_bound_is_refused_in_one_line_before_the_model_loads(data, tmp_path, monkeypatch, capsys, flag, low, high, past):
     "--workers 1000000 went on to start a million DataLoader processes; past int64 the line said 'must be an integer of at least 1' of one."
     monkeypatch.setattr(ex, "load_vlm", lambda *a, **k: pytest.fail("the model was loaded before the options were checked"))
     v = 10**20 if past else high + 1
     assert extract_main(["--model", MODEL, "--data", str(data), "--out", str(tmp_path / "c.npz"), "--device", "cpu", "--no-progress", flag, str(v)]) == 1
-    assert capsys.readouterr().err == f"proton-ood extract: error: {name} must be an integer from {low} to {high}, got {v}\n"
+    assert capsys.readouterr().err == f"proton-ood extract: error: {flag} must be an integer from {low} to {high}, got {v}\n"  # the option typed
     assert not list(tmp_path.iterdir()), "no cache, shard or lock"
 
 

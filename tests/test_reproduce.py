@@ -235,6 +235,54 @@ def test_a_cache_extracted_from_other_images_under_the_same_names_is_refused(tmp
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 
+def test_a_cache_of_other_pixels_in_files_of_the_same_names_and_sizes_is_refused(tmp_path):
+    """--resize stores PNG files uncompressed, so a folder prepared again has the same names and byte sizes whatever its pixels:
+    a fingerprint of names and sizes took the cache of the old images for the new ones."""
+    from proton.models.reproduce import domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    image = data / "id" / "a" / "img_000.png"
+    variant(skdata.retina, 1).save(image, compress_level=0)
+    domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    size = image.stat().st_size
+    variant(skdata.retina, 2).save(image, compress_level=0)  # other pixels, as many bytes
+    assert image.stat().st_size == size
+    with pytest.raises(ValueError, match=r"ophthalmology_open_clip-ViT-S-32-none.npz was extracted from other images than .*ophthalmology holds now"):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
+def test_a_cache_that_records_no_hash_of_its_images_contents_is_not_reused(tmp_path):
+    "A cache made before the images' contents were hashed records their names and sizes only, which cannot tell other pixels: it is not trusted."
+    from proton.models.reproduce import domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    path, cache = domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    cache.metadata.pop("images_sha256", None)
+    cache.save(path)  # as a cache extracted before
+    with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* records no SHA-256 of its images' contents .* move it away to extract afresh$"):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
+def test_a_folder_stored_below_the_models_input_is_refused(tmp_path):
+    """prepare_all.py --resize 224 then reproduce fed FLAIR (512 px) upsampled images, unsaid: the paper's numbers come from
+    images at the model's input or larger. Refused whether the cache is to be extracted or is already there."""
+    from proton.models.reproduce import domain_cache
+    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
+    make_domain(data, prompt_sets=False)
+    info = json.loads((data / "classes.json").read_text())
+    small = lambda: (data / "classes.json").write_text(json.dumps(info | {"resize": {"short_side": 40}}))
+    refused = r"^ophthalmology: the images of .*ophthalmology are stored at 40 pixels \(--resize 40\), below .* input of 224 pixels.* --resize 224"
+    small()
+    with pytest.raises(ValueError, match=refused):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    assert not any(caches.glob("*.npz"))
+    (data / "classes.json").write_text(json.dumps(info))
+    domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+    small()  # the same image files, now said to be stored small
+    with pytest.raises(ValueError, match=refused):
+        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
+
+
 def test_a_vit_cache_whose_local_features_predate_glmcms_value_path_is_not_reused(tmp_path):
     """ViT local features were the final-layer patch tokens until they followed GL-MCM's value path; a cache of before held the old
     ones, recorded nothing that told them apart, and was reused by reproduce: GL-MCM's numbers silently came from the wrong features."""

@@ -155,12 +155,13 @@ class PreparedFolder:
     shift:tuple # N folders, one of `FOLDERS`: the image's shift, or "fit"
     labels:np.ndarray # (N,) class index of each ID and fit image, -1 for the others
     sources:tuple # N source datasets (split.csv "source"; "" when unknown)
+    resize:int|None=None # the pixels the data scripts stored the images at (classes.json "resize", their --resize N); None: as the sources hold them
 
     def __len__(self): return len(self.files)
 
 # %% ../../nbs/44_data.ipynb
 def _read_classes(root:Path):
-    "(classes, class_names, prompts, benchmark name) from `root`/classes.json; None when there is no such file."
+    "(classes, class_names, prompts, benchmark name, resize) from `root`/classes.json; None when there is no such file."
     path = root / CLASSES_FILE
     if not path.is_file(): return None
     try: info = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: as a Windows editor saves it, with a byte order mark
@@ -176,7 +177,11 @@ def _read_classes(root:Path):
     if twice is not None: raise ValueError(f"{path}: class {twice!r} is named twice; a cache names each class once")
     prompts = info.get("prompts")
     if prompts is not None and not isinstance(prompts, dict): raise ValueError(f"{path}: 'prompts' must map class folders to prompts")
-    return classes, names, prompts, str(info.get("benchmark") or root.name)
+    resize = info.get("resize")  # the data scripts' --resize N: N, or an object with N under "short_side" (or "long_side")
+    side = resize.get("short_side", resize.get("long_side")) if isinstance(resize, dict) else resize
+    if resize is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 1):
+        raise ValueError(f"{path}: 'resize' must give the pixels --resize stored the images at (a positive integer, or one under 'short_side' or 'long_side'), got {resize!r:.80}")
+    return classes, names, prompts, str(info.get("benchmark") or root.name), side
 
 def _read_prompt_sets(root:Path, classes:list):
     "Set name -> class folder -> prompts from `root`/prompt_sets.json, every set checked against `classes`; None when there is no such file."
@@ -278,7 +283,7 @@ def read_prepared(data_dir:str|os.PathLike): # a prepared folder, as written by 
                                    "(see data_scripts/README.md)")
     class_folders = {f: sorted({p.split("/")[1] for p in files if p.startswith(f"{f}/")}) for f in ("id", FIT)}
     described = _read_classes(root)
-    classes, names, prompts, name = described or (class_folders["id"], class_folders["id"], None, root.name)
+    classes, names, prompts, name, resize = described or (class_folders["id"], class_folders["id"], None, root.name, None)
     if not classes: raise ValueError(f"no ID images in {root}: expected {root}/id/<class>/<file>")
     for folder, found in class_folders.items():
         unknown = sorted(set(found) - set(classes))
@@ -290,4 +295,4 @@ def read_prepared(data_dir:str|os.PathLike): # a prepared folder, as written by 
     shift = tuple(f.split("/")[0] for f in files)
     labels = np.array([classes.index(f.split("/")[1]) if s in ("id", FIT) else -1 for f, s in zip(files, shift)], dtype=np.int64)
     return PreparedFolder(root=root, name=name, classes=tuple(classes), class_names=tuple(names), prompts=prompts, prompt_sets=prompt_sets,
-                          files=tuple(files), shift=shift, labels=labels, sources=tuple(sources.get(f, "") for f in files))
+                          files=tuple(files), shift=shift, labels=labels, sources=tuple(sources.get(f, "") for f in files), resize=resize)

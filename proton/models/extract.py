@@ -4,12 +4,13 @@
 
 # %% auto 0
 __all__ = ['TAG_TEMPLATE', 'TAG_AUGMENTATIONS', 'JPEG_SUFFIXES', 'FILTERS', 'SHARD_FORMAT', 'MAX_WORKERS', 'MAX_BATCH',
-           'MAX_SHARD', 'first_repeat', 'read_prompt_file', 'resolve_prompts', 'tag_prompts', 'resolve_prompt_sets',
-           'encode_prompt_sets', 'as_float_batch', 'ImageFiles', 'stack_images', 'collate_images', 'is_jpeg',
-           'pil_weights', 'pillow_major', 'DevicePreprocess', 'decode_jpegs', 'device_preprocessing', 'worker_fraction',
-           'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes', 'shard_ranges', 'shard_path', 'StaleShardError',
-           'read_shard', 'describe_preprocessing', 'file_sha256', 'weights_sha256', 'images_fingerprint',
-           'default_workers', 'check_extract', 'extract', 'SkippedImagesWarning', 'parse_prompts', 'extract_main']
+           'MAX_SHARD', 'OPTIONS', 'first_repeat', 'read_prompt_file', 'resolve_prompts', 'tag_prompts',
+           'resolve_prompt_sets', 'encode_prompt_sets', 'as_float_batch', 'ImageFiles', 'stack_images',
+           'collate_images', 'is_jpeg', 'pil_weights', 'pillow_major', 'DevicePreprocess', 'decode_jpegs',
+           'device_preprocessing', 'worker_fraction', 'worker_decodes', 'JpegBytes', 'collate_jpeg_bytes',
+           'shard_ranges', 'shard_path', 'StaleShardError', 'read_shard', 'describe_preprocessing', 'file_sha256',
+           'weights_sha256', 'images_sha256', 'default_workers', 'check_extract', 'below_input', 'extract',
+           'SkippedImagesWarning', 'parse_prompts', 'extract_main']
 
 # %% ../../nbs/43_extract.ipynb
 import argparse
@@ -544,10 +545,12 @@ def weights_sha256(vlm:VLM): # the model
             h.update(f"{attr}.{k}|{t.dtype}|{t.numel()}|".encode()); h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
-def images_fingerprint(folder:PreparedFolder): # a prepared folder
-    "SHA-256 of the folder's image files by name and size in bytes: it tells the same names holding other images, as when a folder is prepared again at another size."
-    sizes = [(f, p.stat().st_size if p.exists() else None) for f in folder.files for p in [folder.root / f]]
-    return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
+def images_sha256(folder:PreparedFolder): # a prepared folder
+    "SHA-256 of the folder's image files by name and contents (each file's `file_sha256`, None for a missing one): it tells other images under the same names, in files of the same size too."
+    paths = [folder.root / f for f in folder.files]
+    with ThreadPoolExecutor(8) as pool:  # hashlib lets go of the GIL on large blocks: files hash in parallel
+        digests = list(pool.map(lambda p: file_sha256(p) if p.exists() else None, paths))
+    return hashlib.sha256(json.dumps(list(zip(folder.files, digests))).encode()).hexdigest()
 
 def _cpu_threads(vlm:VLM): # the model
     "The threads torch computes with where the model runs on the CPU, whose float32 sums depend on them (torchrun sets OMP_NUM_THREADS=1 unless it is set); None elsewhere."
@@ -757,7 +760,7 @@ def _metadata(vlm:VLM, folder:PreparedFolder, prompts:dict, prompt_source:str, c
                 preprocessing=describe_preprocessing(vlm), image_size=list(vlm.image_size), dim=vlm.dim,
                 device=vlm.device.type, cpu_threads=_cpu_threads(vlm), amp="float16 autocast" if amp else "none", batch_size=batch_size, local=local, local_features=vlm.local_features if local else None,
                 text_pooling=getattr(vlm, "text_pooling", None),
-                n_images=len(folder), images_fingerprint=images_fingerprint(folder), images_per_shift=counts(list(folder.shift)),
+                n_images=len(folder), images_sha256=images_sha256(folder), resize=folder.resize, images_per_shift=counts(list(folder.shift)),
                 images_per_source=counts(list(folder.sources)) if any(folder.sources) else None,
                 library_version=__version__, torch_version=torch.__version__, created=_created())
 
@@ -816,6 +819,12 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
     _created()  # a bad SOURCE_DATE_EPOCH is named now, not once every image is embedded
     return folder, prompts, sets, prompt_source, share
 
+def below_input(folder:PreparedFolder, # a prepared folder
+                image_size): # the model's input, (H, W)
+    "The model's input side (the larger of `image_size`) when the folder's images are stored below it (its `resize`, the data scripts' --resize); else None."
+    side = max(image_size)
+    return side if folder.resize is not None and folder.resize < side else None
+
 def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
             data_dir:str|os.PathLike, # a prepared folder: <shift>/<class>/<file>, classes.json, split.csv
             prompts=None, # None (classes.json), a list with one prompt per class, a dict class -> prompt(s), or a prompt file
@@ -844,6 +853,9 @@ def extract(vlm:VLM|str, # the model, or its name for `load_vlm`
     elif device is not None and torch.device(device).type != vlm.device.type:
         raise ValueError(f"the model runs on {vlm.device}, not {device}: load it with device={str(device)!r}")
     if local and not vlm.has_local: raise ValueError(f"{vlm.name} has no local (patch) features; extract without local=True")
+    if side := below_input(folder, vlm.image_size):  # a warning, not a refusal: small images may be what a study wants
+        warnings.warn(f"the images of {folder.root} are stored at {folder.resize} pixels (--resize {folder.resize}), below {vlm.name}'s input of {side} pixels: "
+                      f"the model upsamples them; prepare the folder with --resize {side} or more, or without --resize, for embeddings of the full-size images", stacklevel=2)
     on_device, decode, decode_fallback = _decoding(vlm, decode_on_device, share)
     encoder = _at_precision(vlm, amp)
     text_embeddings, prompt_fields = prompt_ensemble(encoder, prompts).numpy(), encode_prompt_sets(encoder, sets)
@@ -972,6 +984,13 @@ def _failed(line:str, # what went wrong, in one line
     if shared and grouped: dist.barrier()  # no rank ends before rank 0 has spoken: torchrun stops the others once one ends in error
     return 1
 
+OPTIONS = {"batch_size": "--batch-size", "num_workers": "--workers", "shard_size": "--shard-size", "worker_share": "--worker-share"}  # extract's arguments -> the command line's options
+
+def _as_typed(line:str): # an error's line
+    "`line` with the argument of `extract` it begins with named as the option the user typed."
+    name, sep, rest = line.partition(" ")
+    return OPTIONS.get(name, name) + sep + rest
+
 def extract_main(argv:list|None=None): # the arguments after `extract`; None: sys.argv[2:]
     "`proton-ood extract`: write the embedding cache of a prepared folder; returns the exit code."
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
@@ -997,7 +1016,7 @@ def extract_main(argv:list|None=None): # the arguments after `extract`; None: sy
         return _failed(f"the GPU ran out of memory with --batch-size {args.batch_size}; run the same command "
                        "with a smaller one (the shards finished so far are recomputed: the batch size changes the embeddings in their last bits)", e)
     except (ValueError, OSError, ImportError) as e:
-        return _failed(str(e), e)
+        return _failed(_as_typed(str(e)), e)
     if int(os.environ.get("RANK", "0")) > 0: return 0  # rank 0 reports for all
     _say(f"wrote {args.out}: {cache!r}\n  sha256: {cache.content_hash()}")
     if cache.metadata["skipped_files"]:

@@ -29,7 +29,7 @@ from ..bench.prepared import CLASSES_FILE, SPLIT_FILE, read_prepared
 from ..deploy import check_writable
 from . import ALIASES, check_vlm, load_vlm, model_device
 from .flair import REPRODUCTION_TEXT_POOLING
-from .extract import SkippedImagesWarning, extract, file_sha256, images_fingerprint
+from .extract import SkippedImagesWarning, below_input, extract, file_sha256, images_sha256
 from .vlm import spec_weights
 
 # %% ../../nbs/45_reproduce.ipynb
@@ -64,6 +64,12 @@ def _weights(name:str|None, sha256:str|None):
     "A checkpoint as an error message names it."
     return f"the weights {name} (sha256 {sha256[:12]}…)" if sha256 else "no weights file (the model's default source)"
 
+def _check_size(domain:str, folder, model:str, image_size):
+    "Refuse a folder whose images are stored below the model's input (`below_input`): the model would upsample them, and the paper's numbers come from images at full size."
+    side = below_input(folder, image_size)
+    if side: raise ValueError(f"{domain}: the images of {folder.root} are stored at {folder.resize} pixels (--resize {folder.resize}), below {model}'s input of {side} pixels, "
+                              f"which upsamples them, unlike the paper's runs; prepare the folder again with --resize {side} or more, or without --resize")
+
 VIT_BACKENDS = ("OpenClipVLM", "UniMedVLM")  # the backends whose local features (`vit_patch_features`) changed, by the name caches record
 
 def domain_cache(domain:str, # a key of `DOMAINS`
@@ -75,7 +81,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
                  device=None, # where the model runs; None: CUDA if available
                  amp:bool=False, # extract under float16 autocast (faster on a GPU); False: float32, as the authors run it
                  progress:bool=True): # show progress bars
-    "The domain's embedding cache: reused when its file exists, covers the folder's images (names and sizes) and was made with the same weights (and FLAIR's with `REPRODUCTION_TEXT_POOLING`), else extracted (resumably, local features too)."
+    "The domain's embedding cache: reused when its file exists, covers the folder's images (names and contents) and was made with the same weights (and FLAIR's with `REPRODUCTION_TEXT_POOLING`), else extracted (resumably, local features too); refused when the folder's images are stored below the model's input."
     model = model or DOMAINS[domain].model
     path = _cache_file(domain, caches, model)
     weights = spec_weights(model, checkpoint)  # the file extraction hashes into the cache's metadata
@@ -88,9 +94,13 @@ def domain_cache(domain:str, # a key of `DOMAINS`
         covered = set(cache.source or ()) | skipped | {f for f, s in zip(folder.files, folder.shift) if s == "fit"}
         if cache.metadata.get("model") != ALIASES.get(model, model) or covered != set(folder.files):
             raise ValueError(f"{path} exists but was not extracted by {model} from {data}; move it away to extract afresh")
-        made = cache.metadata.get("images_fingerprint")  # None: a cache from before it was recorded
-        if made is not None and made != images_fingerprint(folder):
-            raise ValueError(f"{path} was extracted from other images than {data} holds now (their sizes in bytes differ); move it away to extract afresh")
+        made = cache.metadata.get("images_sha256")
+        if made is None:  # a cache from before it was recorded: its names and sizes (images_fingerprint) cannot tell other pixels
+            raise ValueError(f"{domain}: the cache {path} records no SHA-256 of its images' contents (made before it was recorded, it cannot tell "
+                             "other images under the same names): move it away to extract afresh")
+        if made != images_sha256(folder):
+            raise ValueError(f"{path} was extracted from other images than {data} holds now; move it away to extract afresh")
+        _check_size(domain, folder, model, cache.metadata["image_size"])
         made, asked = cache.metadata.get("checkpoint_sha256"), None if weights is None else file_sha256(weights)
         if made != asked:
             raise ValueError(f"{domain}: the cache {path} was made with {_weights(cache.metadata.get('checkpoint'), made)}, but this run asks for "
@@ -105,6 +115,7 @@ def domain_cache(domain:str, # a key of `DOMAINS`
                              "which GL-MCM does not take): delete it or point --caches elsewhere to re-extract")
         return path, cache
     vlm = load_vlm(model, checkpoint, device=model_device(device), tokenizer=tokenizer, **options)
+    _check_size(domain, folder, model, vlm.image_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedImagesWarning)  # unreadable images are listed in the cache's metadata, and in the report
         cache = extract(vlm, data, out=path, amp=amp, local=vlm.has_local, checkpoint=checkpoint, progress=progress)

@@ -250,7 +250,7 @@ def test_other_settings_are_refused(tmp_path):
 
 def test_the_recorded_weights_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
     "--checkpoint none was recorded as os.path.abspath('none'), so the stream continued from another folder was refused as 'other settings (checkpoint)'."
-    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0, "name")["checkpoint"]
+    weights = lambda model, checkpoint: score_module._settings(model, checkpoint, None, ["a", "b"], None, CONFIG, 50, 0.95, None, 0.5, 5.0, "name")["checkpoint"]
     (tmp_path / "sub").mkdir(); (tmp_path / "w.pt").write_bytes(b"weights")  # read for its SHA-256
     monkeypatch.chdir(tmp_path)
     here = [weights("unimed-clip", "none"), weights("flair", "w.pt"), weights("open_clip:ViT-S-32/w.pt", None)]
@@ -1192,3 +1192,20 @@ def test_a_source_that_does_not_exist_is_named_not_asked_for_a_model(tmp_path, n
     with pytest.raises(FileNotFoundError, match=re.escape(f"no embedding cache, image folder or file list at {tmp_path / name}")):
         score_stream(tmp_path / name, tmp_path / "r.csv", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stream_is_not_continued_with_another_tokenizer_vocabulary(tmp_path):
+    "The tokenizer was no setting of the stream: a FLAIR stream begun with one vocab.txt continued with another, whose text embeddings differ."
+    from proton.models.flair import random_flair
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "glaucoma"]
+    for name, vocab in (("a", words), ("b", words[:5] + words[:4:-1]), ("moved", words)):
+        (tmp_path / name).mkdir(); (tmp_path / name / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    torch.save(random_flair(0).state_dict(), tmp_path / "flair.pth")
+    folder = photo_folder(tmp_path / "in", n=3, broken=())
+    run_with = lambda vocab: proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "flair", "--checkpoint", str(tmp_path / "flair.pth"),
+                                        "--tokenizer", str(tmp_path / vocab), "--classes", "normal,glaucoma", "--no-progress")
+    assert run_with("a").returncode == 0
+    r = run_with("b")
+    assert one_line_error(r) and "other settings (tokenizer)" in r.stderr, r.stderr
+    r = run_with("moved")  # the same vocabulary elsewhere: where the file is is no setting
+    assert r.returncode == 0 and "scored 0 new images" in r.stdout, r.stderr

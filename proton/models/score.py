@@ -281,10 +281,16 @@ def _readable(paths:list, # every image path of the stream
         else: failed.append((paths[i], e))
     return torch.stack(images) if images else None, read, failed
 
-def _settings(model, checkpoint, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float, order:str):
+def _vocabulary(tokenizer): # a tokenizer folder or its vocab.txt, a tokenizer object, or None for the model's own
+    "What of a tokenizer makes a run's numbers: its vocab.txt's SHA-256 (where the file is is no setting), an object's type, or None."
+    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)): return tokenizer if tokenizer is None else type(tokenizer).__qualname__
+    return file_sha256(Path(tokenizer) / "vocab.txt" if Path(tokenizer).is_dir() else tokenizer)
+
+def _settings(model, checkpoint, tokenizer, class_names, prompts, config:ProtonConfig, warmup:int, id_recall:float, reference, k:float, h:float, order:str):
     "What makes a run's numbers: a later run must match it to continue the stream."
     weights = spec_weights(model, checkpoint)  # None for 'none' (random weights); a file, by its absolute path and its content, as `extract` records it
     return dict(model=model, checkpoint=None if weights is None else os.path.abspath(weights), checkpoint_sha256=None if weights is None else file_sha256(weights),
+                tokenizer=_vocabulary(tokenizer),
                 classes=list(class_names), prompts=prompts, config={k_: v for k_, v in vars(config).items()}, warmup=warmup, id_recall=id_recall,
                 reference=None if reference is None else os.path.abspath(reference), drift_k=k, drift_h=h, order=order)
 
@@ -361,7 +367,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  drift_k:float=0.5, # CUSUM allowance, in warm-up standard deviations
                  drift_h:float=5., # CUSUM decision level
                  checkpoint=None, # local weights of the model, as for `load_vlm`
-                 tokenizer=None, # FLAIR's or UniMed-CLIP's tokenizer folder, as for `load_vlm`; where the file is, so not a setting of the stream
+                 tokenizer=None, # FLAIR's or UniMed-CLIP's tokenizer folder, as for `load_vlm`; its vocabulary is a setting of the stream, where it is not
                  device=None, # where the model runs; None: cuda if available
                  chunk_size:int=256, # images per committed chunk: the most a kill can lose
                  batch_size:int=32, # images per forward pass
@@ -398,7 +404,7 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
         paths, prompt_map, device = list_images(source, order), class_prompts_from(classes, prompts), model_device(device)
         class_names, model = list(prompt_map), vlm if isinstance(vlm, str) else vlm.name
     config = config or ProtonConfig()
-    settings = _settings(model, checkpoint, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h,
+    settings = _settings(model, checkpoint, tokenizer, class_names, prompt_map, config, warmup, id_recall, reference, drift_k, drift_h,
                          order or ("name" if source.is_dir() else "list"))  # as `list_images` resolves it; a cache's own order is 'list'
     with results.lock():
         saved, committed = results.load(cut=True, columns=["path"])  # only the paths: a long stream's rows stay on disk

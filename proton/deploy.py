@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import tempfile
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -147,7 +148,8 @@ def threshold_for_id_recall(scores_id, # scores of images known to be ID, higher
                             id_recall:float=0.95): # fraction of ID images that should pass unflagged
     "The threshold θ that lets `id_recall` of the given ID scores pass (flag when score > θ)."
     s, q = float_array(scores_id, "scores_id"), plain_number(id_recall)
-    if s.ndim != 1 or len(s) == 0 or not np.isfinite(s).all(): raise ValueError(f"scores_id must be a non-empty 1-D array of finite scores, got shape {s.shape}")
+    if s.ndim != 1 or len(s) == 0: raise ValueError(f"scores_id must be a non-empty 1-D array of scores, got shape {s.shape}")
+    if bad := int((~np.isfinite(s)).sum()): raise ValueError(f"{bad} of the {len(s)} ID scores {'is' if bad == 1 else 'are'} not finite (NaN or infinite)")
     if q is None or not 0 < q < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall!r}")
     return float(np.quantile(s, q, method="higher"))
 
@@ -157,6 +159,13 @@ def _floats(x, name:str):
     a = float_array(x, name)
     if a.ndim != 1: raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     return a
+
+def _flags(x, name:str):
+    "`x` (numpy, torch or a list of booleans or 0/1) as a boolean numpy array; 'False' strings, NaN or 0.5 are no flags."
+    a = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
+    if a.size and a.dtype.kind not in "biu": raise ValueError(f"{name} must be booleans or 0/1, got dtype {a.dtype}")
+    if a.size and (a.min() < 0 or a.max() > 1): raise ValueError(f"{name} must be booleans or 0/1, got values in [{a.min()}, {a.max()}]")
+    return a.astype(bool)
 
 class WarmupThreshold:
     "The operating threshold θ read off the stream itself: the `id_recall` quantile of its first `warmup` scores once the bank is calibrated."
@@ -174,7 +183,13 @@ class WarmupThreshold:
         return f"WarmupThreshold(q={self.id_recall}, {state})"
 
     def _set(self, s:np.ndarray, source:str):
-        self.theta, self.mean, self.std, self.source = threshold_for_id_recall(s, self.id_recall), float(s.mean()), float(max(s.std(ddof=1), 1e-12)), source
+        spread = float(s.std(ddof=1)) if (s != s[0]).any() else 0.  # equal scores: numpy's mean can leave a rounding's spread
+        if spread == 0:  # z would be rounding noise over a floor
+            what = "reference scores" if source == "reference" else f"warm-up's {len(s)} scores"
+            said = f"the {what} have no spread (all equal {s[0]:.4g})"
+            if source == "reference": raise ValueError(f"{said}: the drift alarm standardises by their spread; give scores of several ID images")
+            warnings.warn(f"{said}: the drift alarm will fire on any rise above them", stacklevel=3)
+        self.theta, self.mean, self.std, self.source = threshold_for_id_recall(s, self.id_recall), float(s.mean()), max(spread, 1e-12), source
 
     def set_reference(self, scores_id): # scores of images known to be ID, from the same detector after calibration
         "Read θ (and the mean and spread the drift alarm standardises with) off labelled ID scores instead of the warm-up."
@@ -188,7 +203,7 @@ class WarmupThreshold:
     def update(self, scores, # (N,) fused scores of the next images, in stream order
                calibrated): # (N,) whether the bank was calibrated for each
         "(N,) θ in force for each image: NaN until θ is set and for images scored before calibration."
-        s, cal = _floats(scores, "scores"), np.asarray(calibrated.cpu() if hasattr(calibrated, "cpu") else calibrated, dtype=bool)
+        s, cal = _floats(scores, "scores"), _flags(calibrated, "calibrated")
         if cal.shape != s.shape: raise ValueError(f"calibrated must hold one flag per score ({len(s)}), got shape {cal.shape}")
         if not np.isfinite(s).all(): raise ValueError(f"scores must be finite; {int((~np.isfinite(s)).sum())} of {len(s)} are NaN or infinite")
         theta = np.full(len(s), np.nan)
@@ -232,7 +247,7 @@ class WarmupThreshold:
 class CusumDrift:
     "One-sided CUSUM on standardised scores: an alarm when they run persistently above the warm-up's level."
     def __init__(self,
-                 k:float=0.5, # allowance, in standard deviations: drifts smaller than about 2k are not chased
+                 k:float=0.5, # allowance, in standard deviations: C climbs only while scores run more than k above the warm-up's mean; k = δ/2 suits a shift of δ
                  h:float=5.):  # decision level, in standard deviations: higher means fewer false alarms and later ones
         a, b = plain_number(k), plain_number(h)
         if a is None or b is None or not (0 <= a < math.inf and 0 < b < math.inf): raise ValueError(f"need k >= 0 and h > 0, finite, got k={k!r}, h={h!r}")
@@ -333,10 +348,7 @@ def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, f
                n_classes:int, # C
                bank_size:int): # M, capacity of each queue
     "(class, slot, stream index) of every bank entry, slot 0 the oldest: the last M images enqueued into each class."
-    shape, e = np.shape(predicted), np.asarray(enqueued)
-    if e.size and e.dtype.kind not in "biu": raise ValueError(f"enqueued must be booleans or 0/1, got dtype {e.dtype}")  # 'False' strings, NaN or 0.5 are no flags
-    if e.size and (e.min() < 0 or e.max() > 1): raise ValueError(f"enqueued must be booleans or 0/1, got values in [{e.min()}, {e.max()}]")
-    enqueued = e.astype(bool)
+    shape, enqueued = np.shape(predicted), _flags(enqueued, "enqueued")
     if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
     if whole_in_range(bank_size, "bank_size", 1, MAX_BANK) is None: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
     n = whole_in_range(n_classes, "n_classes", 1, 2**63 - 1)  # a class index is an int64

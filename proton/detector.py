@@ -142,6 +142,7 @@ def class_indices(values, # classes, one per image: an integer array, tensor or 
                   what:str="routed classes", # what they are, for the message
                   n:int|None=None): # how many there must be; None: any number
     "`values` as a 1-D long tensor of classes in [0, C) (on `values`' device), or a `ValueError` naming the problem."
+    if not isinstance(values, Tensor) and (a := np.asarray(values)).size and a.dtype.kind not in "biufc": raise ValueError(f"{what} must be integers, got dtype {a.dtype}")
     r = values.detach() if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
     if r.numel() and (r.is_floating_point() or r.is_complex() or r.dtype == torch.bool): raise ValueError(f"{what} must be integers, got dtype {r.dtype}")
     if r.ndim == 0: r = r.reshape(1)  # one image's class, as a number

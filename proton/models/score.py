@@ -330,7 +330,12 @@ def read_reference_scores(path:str|os.PathLike, # a results file of an earlier r
         rows = list(csv.reader(io.StringIO(text)))
         if rows and "score" in rows[0]:
             j, cal = rows[0].index("score"), rows[0].index("calibrated") if "calibrated" in rows[0] else None
-            values = [r[j] for r in rows[1:] if cal is None or r[cal] == "True"]
+            values = []
+            for i, r in enumerate(rows[1:], 2):
+                if not any(v.strip() for v in r): continue  # a blank line, as at the end of many files
+                short = next((name for name, k in (("score", j), ("calibrated", cal)) if k is not None and k >= len(r)), None)
+                if short: raise ValueError(f"{path}: line {i} has no {short} value")
+                if cal is None or r[cal] == "True": values.append(r[j])
         else:
             wide = next(((i, k) for i, r in enumerate(rows, 1) if (k := sum(bool(v.strip()) for v in r)) > 1), None)
             if wide: raise ValueError(f"{path}: line {wide[0]} holds {wide[1]} values; give one score a line, with a decimal point, or a CSV file with a 'score' column")

@@ -299,3 +299,12 @@ def test_a_missing_checkpoint_or_tokenizer_is_named_by_its_option(tmp_path):
     for extra, option in ((["--tokenizer", str(tmp_path / "vocab")], "checkpoint"), (["--checkpoint", "none"], "tokenizer")):
         r = run("score", str(tmp_path / "in"), "--out", str(tmp_path / "r.csv"), "--classes", "a,b", "--model", "unimed", "--no-progress", *extra)
         assert r.returncode == 1 and f"pass {option}= (--{option})" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_score_help_states_its_defaults():
+    "evaluate's and extract's --help named their defaults; score's named none (γ, M, K_min, W, q, k, h, chunk and batch sizes)."
+    out = " ".join(run("score", "--help").stdout.split()).split(" options: ", 1)[1]  # past the usage line
+    for option, default in (("--gamma", "0.7"), ("--bank-size", "100"), ("--k-min", "5"), ("--warmup", "200"), ("--id-recall", "0.95"),
+                            ("--drift-k", "0.5"), ("--drift-h", "5.0"), ("--chunk-size", "256"), ("--batch-size", "32")):
+        described = out.split(f"{option} ", 1)[1].split(" --", 1)[0]
+        assert f"(default {default})" in described, (option, described)

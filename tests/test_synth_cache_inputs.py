@@ -1,0 +1,60 @@
+"Inputs of the synthetic world and of simulated caches: integer knobs and counts as numpy or whole floats, the rest refused in one line; caches in another byte order."
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from proton.bench.cache import EmbeddingCache, content_digest, write_npz_atomic
+from proton.bench.synth import SHIFTS, SyntheticWorld
+from proton.scores import as_tensor
+
+SMALL = dict(dim=40, noise_rank=8)  # a world that builds fast
+
+def one_line(e): return "\n" not in str(e)
+
+# an integer given as numpy, as a 0-d tensor or as a whole float
+as_kinds = st.sampled_from([int, np.int64, np.int32, np.uint16, float, np.float64, lambda v: torch.tensor(v)])
+
+@settings(max_examples=40, deadline=None)
+@given(kind=as_kinds, seed=st.integers(0, 1000), n_classes=st.integers(1, 5), noise_rank=st.integers(1, 12))
+def test_integer_knobs_of_any_number_type_give_the_world_of_the_python_int(kind, seed, n_classes, noise_rank):
+    knobs = dict(n_classes=n_classes, dim=40, noise_rank=noise_rank, seed=seed)
+    w, ref = SyntheticWorld(**{k: kind(v) for k, v in knobs.items()}), SyntheticWorld(**knobs)
+    assert dataclasses.asdict(w) == dataclasses.asdict(ref) and all(type(getattr(w, k)) is int for k in knobs)
+    for s in SHIFTS: assert torch.equal(w.sample(s, 3, seed=kind(seed))[0], ref.sample(s, 3, seed=seed)[0])
+
+@pytest.mark.parametrize("knob, value", [("n_classes", 0), ("n_classes", -1), ("n_classes", 2.5), ("n_classes", True), ("n_classes", "2"),
+                                         ("noise_rank", -3), ("noise_rank", 1.5), ("noise_rank", float("nan")), ("dim", 80.5), ("dim", float("inf")),
+                                         ("dim", None), ("seed", 1.5), ("seed", 2**64), ("seed", "0"), ("seed", np.float32(0.5))])
+def test_a_bad_integer_knob_is_named_in_one_line(knob, value):
+    with pytest.raises(ValueError, match=f"^{knob} must be an integer") as e: SyntheticWorld(**(SMALL | {knob: value}))
+    assert one_line(e.value)
+
+@pytest.mark.parametrize("kind", SHIFTS)
+def test_noise_rank_zero_draws_no_noise(kind):
+    w = SyntheticWorld(dim=40, noise_rank=0)
+    E, _ = w.sample(kind, 5, dtype=torch.float64)
+    assert torch.isfinite(E).all() and torch.allclose(E.norm(dim=1), torch.ones(5, dtype=torch.float64))
+    EmbeddingCache.from_world(w, n_id=6, n_per_shift=3)
+
+@pytest.mark.parametrize("arg, value", [("n", -1), ("n", 2.5), ("n", float("nan")), ("n", "3"), ("seed", 1.5), ("seed", float("inf")), ("seed", "1")])
+def test_a_bad_count_or_seed_of_a_sample_is_named(arg, value):
+    args = dict(n=3, seed=0) | {arg: value}
+    with pytest.raises(ValueError, match=f"^{arg} must be") as e: SyntheticWorld(**SMALL).sample("id", **args)
+    assert one_line(e.value)
+
+def test_a_huge_numpy_sample_seed_does_not_overflow():
+    w = SyntheticWorld(**SMALL)
+    for s in (1, 2**62, 2**63 - 1): assert torch.equal(w.sample("id", 2, seed=np.int64(s))[0], w.sample("id", 2, seed=s)[0])
+
+@pytest.mark.parametrize("knob", ["seed", "noise_rank", "class_strength", "class_dirs"])
+def test_a_world_is_read_only(knob):
+    w = SyntheticWorld(**SMALL)
+    with pytest.raises(dataclasses.FrozenInstanceError): setattr(w, knob, 4)
+    assert dataclasses.replace(w, seed=5).seed == 5 and w.seed == 0
+
+def _swapped(a): return a.astype(a.dtype.newbyteorder(">" if a.dtype.byteorder in "=<" else "<"))

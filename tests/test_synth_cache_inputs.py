@@ -51,6 +51,31 @@ def test_a_huge_numpy_sample_seed_does_not_overflow():
     w = SyntheticWorld(**SMALL)
     for s in (1, 2**62, 2**63 - 1): assert torch.equal(w.sample("id", 2, seed=np.int64(s))[0], w.sample("id", 2, seed=s)[0])
 
+@settings(max_examples=20, deadline=None)
+@given(kind=as_kinds, n_id=st.integers(0, 6), n_fit=st.integers(0, 4), seed=st.integers(0, 50))
+def test_from_world_takes_numpy_and_whole_counts_and_records_plain_ints(kind, n_id, n_fit, seed):
+    w = SyntheticWorld(**SMALL)
+    c = EmbeddingCache.from_world(w, n_id=kind(n_id), n_per_shift=kind(2), seed=kind(seed), n_fit=kind(n_fit))
+    ref = EmbeddingCache.from_world(w, n_id=n_id, n_per_shift=2, seed=seed, n_fit=n_fit)
+    assert np.array_equal(c.image_embeddings, ref.image_embeddings) and (n_fit == 0 or np.array_equal(c.fit_embeddings, ref.fit_embeddings))
+    assert {k: c.metadata[k] for k in ("n_id", "n_per_shift", "seed", "n_fit")} == dict(n_id=n_id, n_per_shift=2, seed=seed, n_fit=n_fit)
+    assert all(type(c.metadata[k]) is int for k in ("n_id", "n_per_shift", "seed", "n_fit"))
+
+@pytest.mark.parametrize("arg, value", [("n_id", 3.5), ("n_id", -1), ("n_id", float("nan")), ("n_id", float("inf")), ("n_fit", "2"),
+                                        ("n_per_shift", True), ("seed", 1.5), ("seed", float("nan")), ("dtype", torch.float32), ("dtype", np.int32)])
+def test_a_bad_argument_of_from_world_is_named_in_one_line(arg, value):
+    with pytest.raises(ValueError, match=f"^{arg} must be") as e: EmbeddingCache.from_world(SyntheticWorld(**SMALL), **{"n_id": 4, "n_per_shift": 2, arg: value})
+    assert one_line(e.value)
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_the_metadata_of_a_simulated_cache_rebuilds_it(dtype):
+    c = EmbeddingCache.from_world(SyntheticWorld(**SMALL, seed=2), n_id=5, n_per_shift=3, seed=4, n_fit=2, dtype=dtype)
+    m = json.loads(json.dumps(c.metadata))
+    again = EmbeddingCache.from_world(SyntheticWorld(**m["world"]), m["n_id"], m["n_per_shift"], m["seed"], m["n_fit"], m["dtype"])
+    for k in ("image_embeddings", "text_embeddings", "fit_embeddings"):
+        a, b = getattr(c, k), getattr(again, k)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), k
+
 @pytest.mark.parametrize("knob", ["seed", "noise_rank", "class_strength", "class_dirs"])
 def test_a_world_is_read_only(knob):
     w = SyntheticWorld(**SMALL)

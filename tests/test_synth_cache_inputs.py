@@ -83,3 +83,34 @@ def test_a_world_is_read_only(knob):
     assert dataclasses.replace(w, seed=5).seed == 5 and w.seed == 0
 
 def _swapped(a): return a.astype(a.dtype.newbyteorder(">" if a.dtype.byteorder in "=<" else "<"))
+
+def test_a_cache_built_from_big_endian_arrays_works_and_hashes_as_the_native_one():
+    ref = EmbeddingCache.from_world(SyntheticWorld(**SMALL), n_id=6, n_per_shift=3, n_fit=2)
+    arrays, _ = ref._contents()
+    big = {k: _swapped(v) for k, v in arrays.items()}
+    c = EmbeddingCache(**big, class_names=ref.class_names, temperature=ref.temperature, metadata=ref.metadata)
+    assert all(getattr(c, k).dtype.isnative for k in ("image_embeddings", "text_embeddings", "labels", "fit_embeddings", "fit_labels"))
+    assert np.array_equal(c.predicted(), ref.predicted()) and c.content_hash() == ref.content_hash()
+
+@pytest.mark.parametrize("dtype", ["f2", "f4", "f8"])
+def test_a_file_of_big_endian_arrays_loads_and_keeps_its_hash(tmp_path, dtype):
+    ref = EmbeddingCache.from_world(SyntheticWorld(**SMALL), n_id=6, n_per_shift=3, n_fit=2, dtype=np.dtype(dtype))
+    arrays, header = ref._contents()
+    path = tmp_path / "big.npz"
+    write_npz_atomic(path, {k: _swapped(v) for k, v in arrays.items()}, header)  # as a big-endian machine writes it
+    assert np.load(path)["image_embeddings"].dtype.byteorder == ">" and str(np.load(path)["sha256"]) == ref.content_hash()
+    back = EmbeddingCache.load(path)
+    assert np.array_equal(back.predicted(), ref.predicted()) and back.content_hash() == ref.content_hash()
+    assert back.image_embeddings.tobytes() == ref.image_embeddings.tobytes()
+
+def test_the_digest_of_native_arrays_is_unchanged():
+    arrays = dict(b=np.arange(6, dtype=np.float32).reshape(2, 3), a=np.array(["id", "far"]), c=np.array([True, False]))
+    h = hashlib.sha256()  # the digest as it was defined: name, dtype, shape and bytes in name order, then the header
+    for k in sorted(arrays): h.update(f"{k}|{arrays[k].dtype.str}|{arrays[k].shape}|".encode()); h.update(arrays[k].tobytes())
+    h.update(b'{"x": 1}')
+    assert content_digest(arrays, '{"x": 1}') == h.hexdigest()
+
+@pytest.mark.parametrize("dtype", [">f2", ">f4", ">f8", ">i8", ">u2"])
+def test_as_tensor_reads_either_byte_order(dtype):
+    x = np.arange(6).reshape(2, 3).astype(dtype)
+    assert torch.equal(as_tensor(x), as_tensor(x.astype(np.dtype(dtype).newbyteorder("="))))

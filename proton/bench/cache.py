@@ -24,9 +24,10 @@ from .synth import SHIFTS, SyntheticWorld, _whole
 
 # %% ../../nbs/20_cache.ipynb
 def _array(x, name):
-    "`x` as a numpy array (torch tensors are moved to the CPU first)."
+    "`x` as a numpy array in this machine's byte order (torch tensors are moved to the CPU first)."
     if isinstance(x, torch.Tensor): x = x.detach().cpu().numpy()
     a = np.array(x)
+    if not a.dtype.isnative: a = a.astype(a.dtype.newbyteorder("="))  # big-endian arrays (another machine, another tool) in this machine's order, values unchanged
     if a.dtype == object: raise ValueError(f"{name} must be a numeric or string array, got an object array")
     return a
 
@@ -314,10 +315,10 @@ class CorruptCacheError(ValueError):
     "A cache file that cannot be trusted: unreadable, truncated, tampered with, or not a PROTON cache."
 
 def content_digest(arrays:dict, header:str):
-    "SHA-256 over the arrays (name, dtype, shape, bytes, in name order) and the JSON header."
+    "SHA-256 over the arrays (name, dtype, shape, little-endian bytes, in name order) and the JSON header."
     h = hashlib.sha256()
     for k in sorted(arrays):
-        a = np.ascontiguousarray(arrays[k])
+        a = np.ascontiguousarray(arrays[k]); a = a.astype(a.dtype.newbyteorder("<"), copy=False)  # one hash on every machine: a big-endian array is hashed as its little-endian twin
         h.update(f"{k}|{a.dtype.str}|{a.shape}|".encode()); h.update(a.tobytes())
     h.update(header.encode())
     return h.hexdigest()

@@ -29,6 +29,7 @@ def as_tensor(x, # numpy array, torch tensor or nested list
         if isinstance(x, Tensor): t = x.detach()  # scoring records no autograd history
         else:
             a = np.ascontiguousarray(x)
+            if not a.dtype.isnative: a = a.astype(a.dtype.newbyteorder("="))  # torch reads this machine's byte order only; values unchanged
             if a.dtype.kind == "f" and a.dtype.type not in NUMPY_FLOATS:  # long double: torch has none
                 with np.errstate(over="ignore"): a, wide = a.astype(np.float64), a
                 overflow = bool((np.isinf(a) & np.isfinite(wide)).any())

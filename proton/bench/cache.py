@@ -20,13 +20,14 @@ import torch
 
 from ..deploy import replace_atomically
 from ..scores import MIN_NORM, as_unit_rows, check_temperature, add_methods, shared_direction
-from .synth import SHIFTS, SyntheticWorld
+from .synth import SHIFTS, SyntheticWorld, _whole
 
 # %% ../../nbs/20_cache.ipynb
 def _array(x, name):
-    "`x` as a numpy array (torch tensors are moved to the CPU first)."
+    "`x` as a numpy array in this machine's byte order (torch tensors are moved to the CPU first)."
     if isinstance(x, torch.Tensor): x = x.detach().cpu().numpy()
     a = np.array(x)
+    if not a.dtype.isnative: a = a.astype(a.dtype.newbyteorder("="))  # big-endian arrays (another machine, another tool) in this machine's order, values unchanged
     if a.dtype == object: raise ValueError(f"{name} must be a numeric or string array, got an object array")
     return a
 
@@ -287,14 +288,17 @@ def _from_world(cls,
                 dtype=np.float32): # floating dtype of the stored embeddings
     "A simulated cache: `n_id` ID images and `n_per_shift` images of each OOD shift from `world`."
     from proton import __version__
-    for name, n in (("n_id", n_id), ("n_per_shift", n_per_shift), ("n_fit", n_fit)):
-        if int(n) != n or n < 0: raise ValueError(f"{name} must be a non-negative integer, got {n}")
+    n_id, n_per_shift, n_fit = (_whole(n, name, 0) for name, n in (("n_id", n_id), ("n_per_shift", n_per_shift), ("n_fit", n_fit)))
+    seed = _whole(seed, "seed")  # Python ints, as the metadata records them
+    try: dt = np.dtype(dtype)
+    except TypeError: dt = None  # a torch dtype, say
+    if dt is None or dt.kind != "f": raise ValueError(f"dtype must be a numpy floating dtype such as np.float32, got {dtype!r}")
     counts = {s: n_id if s == "id" else n_per_shift for s in SHIFTS}
     parts = [world.sample(s, counts[s], seed=seed, dtype=torch.float64) for s in SHIFTS]
     shift = np.repeat(SHIFTS, list(counts.values()))
     labels = np.where(shift == "id", torch.cat([y for _, y in parts]).numpy(), -1)
     metadata = dict(simulated=True, model="SyntheticWorld", dataset="synthetic", world=asdict(world),
-                    n_id=n_id, n_per_shift=n_per_shift, n_fit=n_fit, seed=seed, library_version=__version__,
+                    n_id=n_id, n_per_shift=n_per_shift, n_fit=n_fit, seed=seed, dtype=dt.name, library_version=__version__,
                     created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     return cls(image_embeddings=torch.cat([e for e, _ in parts]).numpy().astype(dtype),
                text_embeddings=world.text_embeddings(torch.float64).numpy().astype(dtype),
@@ -311,10 +315,10 @@ class CorruptCacheError(ValueError):
     "A cache file that cannot be trusted: unreadable, truncated, tampered with, or not a PROTON cache."
 
 def content_digest(arrays:dict, header:str):
-    "SHA-256 over the arrays (name, dtype, shape, bytes, in name order) and the JSON header."
+    "SHA-256 over the arrays (name, dtype, shape, little-endian bytes, in name order) and the JSON header."
     h = hashlib.sha256()
     for k in sorted(arrays):
-        a = np.ascontiguousarray(arrays[k])
+        a = np.ascontiguousarray(arrays[k]); a = a.astype(a.dtype.newbyteorder("<"), copy=False)  # one hash on every machine: a big-endian array is hashed as its little-endian twin
         h.update(f"{k}|{a.dtype.str}|{a.shape}|".encode()); h.update(a.tobytes())
     h.update(header.encode())
     return h.hexdigest()

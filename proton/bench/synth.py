@@ -12,12 +12,22 @@ from dataclasses import dataclass, asdict, fields
 import torch
 from torch import Tensor
 
-from ..scores import add_methods
+from ..scores import add_methods, plain_number
 
 # %% ../../nbs/01_synth.ipynb
 SHIFTS = ("id", "semantic", "covariate", "far")  # kinds of sample, ID first
 
-@dataclass
+def _whole(value, # a Python, numpy or 0-d torch number
+           name:str, # what it is, for the message
+           low:int|None=None, high:int|None=None): # the least and the most it may be; None: no bound
+    "`value` as an int if it is an integer from `low` to `high`, else a `ValueError` naming `name` and the range."
+    v = value if type(value) is int else plain_number(value, whole=True)  # a numpy integer or a whole float too; a bool is no integer
+    if v is None or (low is not None and v < low) or (high is not None and v > high):
+        span = "" if low is None else f" of at least {low}" if high is None else f" from {low} to {high}"
+        raise ValueError(f"{name} must be an integer{span}, got {value!r}")
+    return v
+
+@dataclass(frozen=True)
 class SyntheticWorld:
     "A seeded generator of VLM-like text anchors and image embeddings for ID and three OOD shifts."
     n_classes:int=2 # C, number of ID classes
@@ -29,7 +39,7 @@ class SyntheticWorld:
     class_jitter:float=0.6 # relative spread of κ between images
     spread:float=0.5 # typical length of the low-rank noise
     spread_jitter:float=0.3 # log-normal spread of the noise length (image quality)
-    noise_rank:int=64 # r, dimension of the noise subspace
+    noise_rank:int=64 # r, dimension of the noise subspace; 0: no noise
     domain_spread:float=0.15 # s_u, ID spread along the domain direction
     cov_shift:float=2.5 # mean domain offset of covariate images
     cov_confidence:float=1.2 # class-strength multiplier of covariate images
@@ -39,13 +49,15 @@ class SyntheticWorld:
     seed:int=0 # seed of the directions (the sampling seed is separate)
 
     def __post_init__(self):
+        for name, low, high in (("n_classes", 1, None), ("dim", 1, None), ("noise_rank", 0, None), ("seed", -2**63, 2**64 - 1)):  # seed: what torch's generator takes
+            object.__setattr__(self, name, _whole(getattr(self, name), name, low, high))  # frozen: set here only
         if self.dim < self.n_classes + 6 + self.noise_rank:
             raise ValueError(f"dim={self.dim} is too small for {self.n_classes} classes and noise_rank={self.noise_rank}")
         g = torch.Generator().manual_seed(self.seed)
         q = torch.linalg.qr(torch.randn(self.dim, self.dim, generator=g, dtype=torch.float64))[0].T
         C, r = self.n_classes, self.noise_rank
-        self.class_dirs, self.noise_basis = q[:C], q[C:C + r]
-        self.h, self.g, self.u, self.v, self.f1, self.f2 = q[C + r:C + r + 6]
+        dirs = dict(class_dirs=q[:C], noise_basis=q[C:C + r]) | dict(zip(("h", "g", "u", "v", "f1", "f2"), q[C + r:C + r + 6]))
+        for name, x in dirs.items(): object.__setattr__(self, name, x)
 
 # %% ../../nbs/01_synth.ipynb
 def _unit(x): return x / x.norm(dim=-1, keepdim=True)
@@ -62,13 +74,14 @@ def _sample(self:SyntheticWorld,
             dtype:torch.dtype=torch.float32): # dtype of the embeddings
     "(n, d) L2-normalised image embeddings of one kind, and their (n,) classes (-1 for semantic and far)."
     if kind not in SHIFTS: raise ValueError(f"unknown kind {kind!r}: choose one of {SHIFTS}")
+    n, seed = _whole(n, "n", 0), _whole(seed, "seed")  # Python ints: a numpy seed would overflow the mix below
     g = torch.Generator().manual_seed((self.seed * 1_000_003 + SHIFTS.index(kind) * 7919 + seed) % 2**63)
     rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     C, A = self.n_classes, self.class_dirs
     cls = torch.randint(C, (n,), generator=g)
     kappa = self.class_strength * (1 + self.class_jitter * rand(n, 1))
     length = self.spread * torch.exp(self.spread_jitter * rand(n, 1))
-    noise = length * rand(n, self.noise_rank) @ self.noise_basis / math.sqrt(self.noise_rank)
+    noise = length * rand(n, self.noise_rank) @ self.noise_basis / math.sqrt(max(self.noise_rank, 1))  # noise_rank=0: zero noise, not 0/0
     domain = self.domain_spread * rand(n, 1) * self.u
     w = torch.rand(n, 1, generator=g, dtype=torch.float64)
     rest = self.g + noise + domain  # the part of the image that no text anchor sees

@@ -251,18 +251,6 @@ def test_a_cache_of_other_pixels_in_files_of_the_same_names_and_sizes_is_refused
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 
-def test_a_cache_that_records_no_hash_of_its_images_contents_is_not_reused(tmp_path):
-    "A cache made before the images' contents were hashed records their names and sizes only, which cannot tell other pixels: it is not trusted."
-    from proton.models.reproduce import domain_cache
-    data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
-    make_domain(data, prompt_sets=False)
-    path, cache = domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
-    cache.metadata.pop("images_sha256", None)
-    cache.save(path)  # as a cache extracted before
-    with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* records no SHA-256 of its images' contents .* move it away to extract afresh$"):
-        domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
-
-
 def test_a_folder_stored_below_the_models_input_is_refused(tmp_path):
     """prepare_all.py --resize 224 then reproduce fed FLAIR (512 px) upsampled images, unsaid: the paper's numbers come from
     images at the model's input or larger. Refused whether the cache is to be extracted or is already there."""
@@ -283,18 +271,25 @@ def test_a_folder_stored_below_the_models_input_is_refused(tmp_path):
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 
-def test_a_vit_cache_whose_local_features_predate_glmcms_value_path_is_not_reused(tmp_path):
-    """ViT local features were the final-layer patch tokens until they followed GL-MCM's value path; a cache of before held the old
-    ones, recorded nothing that told them apart, and was reused by reproduce: GL-MCM's numbers silently came from the wrong features."""
-    from proton.bench.cache import EmbeddingCache
+OLD_CACHES = {  # what a cache extracted before a change records, and why reproduce will not reuse it
+    # made before the images' contents were hashed: names and sizes cannot tell other pixels
+    "no images_sha256": (lambda m: m.pop("images_sha256"), r"records no SHA-256 of its images' contents .* move it away to extract afresh$"),
+    # ViT local features were the final-layer patch tokens until they followed GL-MCM's value path, and nothing told them apart:
+    # GL-MCM's numbers silently came from the wrong features
+    "local features before the value path": (lambda m: m.pop("local_features"), r"holds local features from before they followed GL-MCM's value path")}
+
+
+@pytest.mark.parametrize("case", OLD_CACHES)
+def test_a_cache_from_before_a_change_is_not_reused(case, tmp_path):
     from proton.models.reproduce import domain_cache
+    edit, message = OLD_CACHES[case]
     data, caches = tmp_path / "ophthalmology", tmp_path / "caches"
     make_domain(data, prompt_sets=False)
     path, cache = domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
     assert cache.local_embeddings is not None and cache.metadata["local_features"] == "value path of the last block (GL-MCM)"
-    del cache.metadata["local_features"]
-    cache.save(path)  # as a cache extracted before the value path
-    with pytest.raises(ValueError, match=r"^ophthalmology: the cache .* holds local features from before they followed GL-MCM's value path"):
+    edit(cache.metadata)
+    cache.save(path)  # as a cache extracted before
+    with pytest.raises(ValueError, match=rf"^ophthalmology: the cache .* {message}"):
         domain_cache("ophthalmology", data, caches, MODEL, device="cpu", progress=False)
 
 

@@ -161,10 +161,12 @@ def _floats(x, name:str):
     return a
 
 def _flags(x, name:str):
-    "`x` (numpy, torch or a list of booleans or 0/1) as a boolean numpy array; 'False' strings, NaN or 0.5 are no flags."
-    a = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
-    if a.size and a.dtype.kind not in "biu": raise ValueError(f"{name} must be booleans or 0/1, got dtype {a.dtype}")
-    if a.size and (a.min() < 0 or a.max() > 1): raise ValueError(f"{name} must be booleans or 0/1, got values in [{a.min()}, {a.max()}]")
+    "`x` (numpy, torch or a list of booleans or 0/1, integers or floats) as a boolean numpy array; 'False' strings, NaN or 0.5 are no flags."
+    if hasattr(x, "detach"): x = x.detach().cpu().double() if x.is_floating_point() else x.detach().cpu()  # numpy has no bfloat16
+    a = np.asarray(x)
+    if a.size and a.dtype.kind not in "biuf": raise ValueError(f"{name} must be booleans or 0/1, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "f" and not (whole := np.isin(a, (0, 1))).all(): raise ValueError(f"{name} must be booleans or 0/1, got {a[~whole][0]} in a float array")
+    if a.size and a.dtype.kind in "iu" and (a.min() < 0 or a.max() > 1): raise ValueError(f"{name} must be booleans or 0/1, got values in [{a.min()}, {a.max()}]")
     return a.astype(bool)
 
 class WarmupThreshold:
@@ -183,13 +185,13 @@ class WarmupThreshold:
         return f"WarmupThreshold(q={self.id_recall}, {state})"
 
     def _set(self, s:np.ndarray, source:str):
-        spread = float(s.std(ddof=1)) if (s != s[0]).any() else 0.  # equal scores: numpy's mean can leave a rounding's spread
-        if spread == 0:  # z would be rounding noise over a floor
+        mean, spread = float(s.mean()), float(s.std(ddof=1))
+        if spread <= 1e-6 * max(1., abs(mean)):  # equal but for rounding (one image scored in batches of other sizes): z would be rounding noise over a floor
             what = "reference scores" if source == "reference" else f"warm-up's {len(s)} scores"
-            said = f"the {what} have no spread (all equal {s[0]:.4g})"
+            said = f"the {what} have no spread (mean {mean:.4g}, sd {spread:.2g})"
             if source == "reference": raise ValueError(f"{said}: the drift alarm standardises by their spread; give scores of several ID images")
             warnings.warn(f"{said}: the drift alarm will fire on any rise above them", stacklevel=3)
-        self.theta, self.mean, self.std, self.source = threshold_for_id_recall(s, self.id_recall), float(s.mean()), max(spread, 1e-12), source
+        self.theta, self.mean, self.std, self.source = threshold_for_id_recall(s, self.id_recall), mean, max(spread, 1e-12), source
 
     def set_reference(self, scores_id): # scores of images known to be ID, from the same detector after calibration
         "Read θ (and the mean and spread the drift alarm standardises with) off labelled ID scores instead of the warm-up."

@@ -10,16 +10,18 @@ from proton.detector import Proton
 from proton.models.score import read_reference_scores
 
 
-@pytest.mark.parametrize("scores", [[-.4, -.4], [.7] * 50, [1e6] * 3])
+@pytest.mark.parametrize("scores", [[-.4, -.4], [.7] * 50, [1e6] * 3, [.7] * 49 + [np.nextafter(.7, 1)], [.7] * 49 + [float(np.float32(.7))]])
 def test_reference_scores_without_spread_are_refused(scores):
-    "set_reference floored the spread at 1e-12: a flat reference gave z ≈ 1e11 for any score above it, and the drift alarm fired on half of an ID stream."
-    with pytest.raises(ValueError, match=r"^the reference scores have no spread \(all equal "): WarmupThreshold().set_reference(scores)
+    """set_reference floored the spread at 1e-12: a flat reference gave z ≈ 1e11 for any score above it, and the drift alarm fired on half
+    of an ID stream; scores equal but for rounding (one image scored in batches of other sizes) the same."""
+    with pytest.raises(ValueError, match=r"^the reference scores have no spread \(mean "): WarmupThreshold().set_reference(scores)
+    assert WarmupThreshold().set_reference([.7] * 49 + [.71]).std > 1e-3  # a spread that is one
 
 
 def test_a_warm_up_without_spread_is_said():
     "A warm-up of equal scores (a stream of one image over and over) cannot standardise the drift alarm: it is said, once, and θ is still read off it."
     thr = WarmupThreshold(warmup=3)
-    with pytest.warns(UserWarning, match=r"the warm-up's 3 scores have no spread \(all equal 0\.5\): the drift alarm will fire on any rise above them"):
+    with pytest.warns(UserWarning, match=r"the warm-up's 3 scores have no spread \(mean 0\.5, sd 0\): the drift alarm will fire on any rise above them"):
         theta = thr.update([.5, .5, .5, .6], [True] * 4)
     assert np.isnan(theta[:3]).all() and theta[3] == .5
 
@@ -32,15 +34,21 @@ def test_a_reference_file_with_a_blank_or_short_line(tmp_path):
     with pytest.raises(ValueError, match=r"short\.csv: line 3 has no calibrated value"): read_reference_scores(tmp_path / "short.csv")
     (tmp_path / "none.csv").write_text("id,score\n1,0.1\n2\n")
     with pytest.raises(ValueError, match=r"none\.csv: line 3 has no score value"): read_reference_scores(tmp_path / "none.csv")
+    (tmp_path / "empty.csv").write_text("path,score,calibrated\na.png,0.1,True\nb.png,,True\n")
+    with pytest.raises(ValueError, match=r"empty\.csv: line 3 has no score value"): read_reference_scores(tmp_path / "empty.csv")
+    (tmp_path / "quoted.csv").write_text('path,score,calibrated\n"multi\nline.png",0.1,True\nb.png,0.2\n')  # a quoted name over two lines
+    with pytest.raises(ValueError, match=r"quoted\.csv: line 4 has no calibrated value"): read_reference_scores(tmp_path / "quoted.csv")
 
 
-@pytest.mark.parametrize("flags", [["False"] * 3, [np.nan] * 3, [.5] * 3, [2, 0, 1]])
+@pytest.mark.parametrize("flags", [["False"] * 3, [np.nan] * 3, [.5] * 3, [2, 0, 1], torch.tensor([1., .5, 0.], dtype=torch.bfloat16)])
 def test_calibration_flags_that_are_no_flags_are_refused(flags):
     "update read ['False', 'False', 'False'] (a CSV's strings), NaN or 0.5 as True and set θ from scores taken before calibration."
     thr = WarmupThreshold(warmup=2)
     with pytest.raises(ValueError, match=r"^calibrated must be booleans or 0/1"): thr.update([1., 2., 3.], flags)
     assert thr.seen == [] and thr.theta is None  # nothing taken in
     assert np.isnan(thr.update([1., 2., 3.], [1, 0, 0])).all() and thr.seen == [1.]
+    for flags in (torch.tensor([0., 0., 0.]), torch.tensor([0, 0, 0], dtype=torch.bfloat16), np.zeros(3)):  # 0/1 as floats: flags all the same
+        assert np.isnan(thr.update([1., 2., 3.], flags)).all() and thr.seen == [1.]
 
 
 def test_string_classes_are_named():

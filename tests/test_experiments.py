@@ -287,3 +287,16 @@ def test_the_prototype_score_switches_on_with_the_image_after_every_class_reache
     df = dynamics(tiny_cache())
     for shift, g in df.groupby("shift"):
         assert g[g.calibrated].t.min() == k_min_reached(g) + 1, shift
+
+
+def test_regime_robustness_and_cross_domain_run_on_the_configured_base_score():
+    "All three compared 'mcm' and 'proton' whatever the configuration's base_score, which evaluate now refuses with advice (name the method) regime gives no way to follow."
+    from proton.bench.experiments.regime import regime
+    energy = ProtonConfig(base_score="energy")
+    r = regime(cov_shifts=(1.,), class_strengths=(.1,), n_id=60, n_per_shift=30, n_permutations=1, config=energy, progress=False)
+    assert set(r.method) == {"energy", "proton[energy]"}
+    cache = tiny_cache()
+    rob = robustness(cache, rhos=(.7,), misrouted=(), orders=(), n_permutations=1, config=energy, progress=False)
+    assert set(rob.method) == {"energy", "proton[energy]"}
+    assert set(cross_domain({"a": cache}, n_permutations=1, config=energy, progress=False).method) == {"energy", "proton[energy]"}
+    assert set(cross_domain({"a": cache}, n_permutations=1, progress=False).method) == {"mcm", "proton"}  # the paper's, by default

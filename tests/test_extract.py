@@ -1100,3 +1100,19 @@ def test_a_link_into_a_missing_folder_is_written_there(tmp_path):
     from proton.models.extract import _writing
     link = tmp_path / "dl.npz"; link.symlink_to("gone/t.npz")
     with _writing(link, 0, lambda x: x, lambda: None): assert (tmp_path / "gone" / "t.npz.lock").exists()
+
+
+def test_the_images_hash_takes_a_file_it_cannot_read_as_unreadable(clip, tmp_path, monkeypatch):
+    "images_sha256 (the metadata's, after every image is embedded) raised on a file it could not open: one unreadable image failed the whole extraction, which skips it."
+    data = make_prepared(tmp_path / "toy")
+    before = ex.images_sha256(read_prepared(data))
+    gone = read_prepared(data).files[3]
+    hashed = ex.file_sha256
+    def denied(path):
+        if str(path).endswith(gone): raise PermissionError(13, "Permission denied", str(path))
+        return hashed(path)
+    monkeypatch.setattr(ex, "file_sha256", denied)
+    after = ex.images_sha256(read_prepared(data))
+    assert after != before  # what cannot be read is not what was there
+    cache = extract(clip, data, out=tmp_path / "c.npz", **RUN)
+    assert cache.metadata["images_sha256"] == after and len(cache) == len(read_prepared(data))

@@ -338,13 +338,13 @@ def test_a_bank_audit_refuses_what_no_bank_could_hold(predicted, bank_size, mess
     with pytest.raises(ValueError, match=re.escape(message)): bank_audit(predicted, [True] * 3, 2, bank_size)
 
 
-@pytest.mark.parametrize("enqueued, got", [(["False", "False"], "dtype <U5"), ([np.nan, 0.], "dtype float64"), ([.5, 0.], "dtype float64"),
-                                           ([1., 0.], "dtype float64"), ([2, 0], "values in [0, 2]"), ([-1, 1], "values in [-1, 1]")])
+@pytest.mark.parametrize("enqueued, got", [(["False", "False"], "dtype <U5"), ([np.nan, 0.], "nan in a float array"), ([.5, 0.], "0.5 in a float array"),
+                                           ([2, 0], "values in [0, 2]"), ([-1, 1], "values in [-1, 1]")])
 def test_a_bank_audit_refuses_enqueued_flags_that_are_not_booleans(enqueued, got):
     "Any truthy value counted as enqueued: a CSV column of 'False' strings, NaN or 0.5 put images in the bank."
     from proton.deploy import bank_audit
     with pytest.raises(ValueError, match=re.escape(f"enqueued must be booleans or 0/1, got {got}")): bank_audit([0, 1], enqueued, 2, 3)
-    assert bank_audit([0, 1], [0, 1], 2, 3) == bank_audit([0, 1], [False, True], 2, 3) == [(1, 0, 1)]
+    assert bank_audit([0, 1], [0, 1], 2, 3) == bank_audit([0, 1], [False, True], 2, 3) == bank_audit([0, 1], [0., 1.], 2, 3) == [(1, 0, 1)]
 
 
 @pytest.mark.parametrize("n_classes, message", [(None, "a positive integer"), ("2", "a positive integer"), (2.5, "a positive integer"), (True, "a positive integer"),

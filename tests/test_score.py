@@ -1195,17 +1195,22 @@ def test_a_source_that_does_not_exist_is_named_not_asked_for_a_model(tmp_path, n
 
 
 def test_a_stream_is_not_continued_with_another_tokenizer_vocabulary(tmp_path):
-    "The tokenizer was no setting of the stream: a FLAIR stream begun with one vocab.txt continued with another, whose text embeddings differ."
+    "The tokenizer was no setting of the stream: a FLAIR stream begun with one vocab.txt continued with another (or with an added_tokens.json beside it), whose text embeddings differ; a reference scored with another was taken."
     from proton.models.flair import random_flair
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "glaucoma"]
-    for name, vocab in (("a", words), ("b", words[:5] + words[:4:-1]), ("moved", words)):
+    for name, vocab in (("a", words), ("b", words[:5] + words[:4:-1]), ("moved", words), ("added", words)):
         (tmp_path / name).mkdir(); (tmp_path / name / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (tmp_path / "added" / "added_tokens.json").write_text('{"retina": 7}')  # read by the tokenizer beside vocab.txt: another tokenization
     torch.save(random_flair(0).state_dict(), tmp_path / "flair.pth")
     folder = photo_folder(tmp_path / "in", n=3, broken=())
     run_with = lambda vocab: proton_ood("score", str(folder), "--out", str(tmp_path / "r.csv"), "--model", "flair", "--checkpoint", str(tmp_path / "flair.pth"),
                                         "--tokenizer", str(tmp_path / vocab), "--classes", "normal,glaucoma", "--no-progress")
     assert run_with("a").returncode == 0
-    r = run_with("b")
-    assert one_line_error(r) and "other settings (tokenizer)" in r.stderr, r.stderr
+    for other in ("b", "added"):
+        r = run_with(other)
+        assert one_line_error(r) and "other settings (tokenizer)" in r.stderr, (other, r.stderr)
+    r = proton_ood("score", str(folder), "--out", str(tmp_path / "s.csv"), "--model", "flair", "--checkpoint", str(tmp_path / "flair.pth"),
+                   "--tokenizer", str(tmp_path / "b"), "--classes", "normal,glaucoma", "--no-progress", "--reference", str(tmp_path / "r.csv"))
+    assert one_line_error(r) and "scored by a detector with other settings (tokenizer)" in r.stderr, r.stderr  # a reference too
     r = run_with("moved")  # the same vocabulary elsewhere: where the file is is no setting
     assert r.returncode == 0 and "scored 0 new images" in r.stdout, r.stderr

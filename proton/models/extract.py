@@ -546,10 +546,12 @@ def weights_sha256(vlm:VLM): # the model
     return h.hexdigest()
 
 def images_sha256(folder:PreparedFolder): # a prepared folder
-    "SHA-256 of the folder's image files by name and contents (each file's `file_sha256`, None for a missing one): it tells other images under the same names, in files of the same size too."
-    paths = [folder.root / f for f in folder.files]
+    "SHA-256 of the folder's image files by name and contents (each file's `file_sha256`, None for one missing or unreadable): it tells other images under the same names, in files of the same size too."
+    def digest(path):
+        try: return file_sha256(path) if path.exists() else None
+        except OSError: return None  # unreadable, as extraction skips it
     with ThreadPoolExecutor(8) as pool:  # hashlib lets go of the GIL on large blocks: files hash in parallel
-        digests = list(pool.map(lambda p: file_sha256(p) if p.exists() else None, paths))
+        digests = list(pool.map(digest, [folder.root / f for f in folder.files]))
     return hashlib.sha256(json.dumps(list(zip(folder.files, digests))).encode()).hexdigest()
 
 def _cpu_threads(vlm:VLM): # the model

@@ -6,7 +6,7 @@
 __all__ = ['DOMAIN_MODELS', 'cross_domain']
 
 # %% ../../../nbs/29_cross_domain.ipynb
-from ..evaluation import PAPER_PROTOCOL, evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, configured_methods, evaluate, import_pandas
 from ..cache import EmbeddingCache, check_cache
 from ...detector import ProtonConfig
 
@@ -14,10 +14,10 @@ from ...detector import ProtonConfig
 DOMAIN_MODELS = {"ophthalmology": "FLAIR", "radiology": "UniMed-CLIP", "pathology": "QuiltNet"}  # the VLM the paper uses in each domain
 
 def cross_domain(caches:dict, # {domain name: EmbeddingCache}, one cache per domain
-                 methods=("mcm", "proton"), # names in the evaluation's `METHODS`
+                 methods=None, # names in the evaluation's `METHODS`; None: the base score and PROTON on it (MCM and PROTON unless `config` names another)
                  n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per shift
                  seed:int=0, # seed of the first order and of the held-out split
-                 config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from each cache); None: the paper's
+                 config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: each cache's unless set); None: the paper's
                  progress:bool=True, # show a tqdm bar per domain
                  **options): # further arguments of `evaluate`: rho, shifts, held_out_fraction, ...
     "Experiment 6: `evaluate` on each domain's cache, stacked into one tidy table with a leading `domain` column."
@@ -25,7 +25,7 @@ def cross_domain(caches:dict, # {domain name: EmbeddingCache}, one cache per dom
     for name, c in caches.items(): check_cache(c, f"caches[{name!r}]")
     frames = []
     for name, cache in caches.items():
-        df = evaluate(cache, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **options)
+        df = evaluate(cache, list(methods or configured_methods(config)), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **options)
         df.insert(0, "domain", str(name))
         frames.append(df)
     return import_pandas().concat(frames, ignore_index=True)

@@ -53,7 +53,7 @@ def dynamics(cache:EmbeddingCache, # the embedding cache the streams draw from
              order:str="shuffled", # how each stream is arranged, one of `ORDERS`
              rho:float|None=PAPER_PROTOCOL.rho, # ID fraction of the streams, in (0, 1); None keeps every image
              seed:int=0, # seed of the stream order and of the subsampling to rho
-             config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+             config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
              warmup:int=50): # leading ID images, for order="id_first"
     "Experiment 7: per shift, stream index and class, the prototype's convergence, the bank's filling and α_t."
     pd = import_pandas()
@@ -115,7 +115,7 @@ def trajectories(cache:EmbeddingCache, # the embedding cache the stream draws fr
                  order:str="shuffled", # how the stream is arranged, one of `ORDERS`
                  rho:float|None=PAPER_PROTOCOL.rho, # ID fraction of the stream, in (0, 1); None keeps every image
                  seed:int=0, # seed of the stream order and of the subsampling to rho
-                 config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+                 config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
                  warmup:int=50): # leading ID images, for order="id_first"
     "Every prototype along the same stream as `dynamics`, projected on the first two principal components of all of them."
     check_cache(cache)

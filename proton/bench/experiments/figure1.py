@@ -80,7 +80,7 @@ def figure1(cache:EmbeddingCache, # the embedding cache: ID images and OOD shift
             perplexity:float=30., # t-SNE perplexity
             recall:float=0.95, # share of ID images kept below the thresholds of `summary`
             seed:int=0, # seed of the stream orders, of the t-SNE sample and of t-SNE
-            config:ProtonConfig|None=None, # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+            config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
            )->Figure1: # its tables, each written to its own file by `proton-ood evaluate`
     "Experiment 9, the paper's first figure: MCM overlap, (S_MCM, S_proto) pairs and a t-SNE map, as tidy tables."
     pd = import_pandas()

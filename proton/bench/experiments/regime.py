@@ -9,7 +9,7 @@ __all__ = ['regime']
 from dataclasses import replace
 from itertools import product
 
-from ..evaluation import evaluate, import_pandas, import_tqdm
+from ..evaluation import configured_methods, evaluate, import_pandas, import_tqdm
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 from ..synth import SyntheticWorld
@@ -24,7 +24,7 @@ def regime(world:SyntheticWorld|None=None, # the base world whose other knobs ar
            seed:int=0, # seed of the caches, of the first stream order and of the subsampling to rho
            config:ProtonConfig|None=None, # PROTON's hyperparameters; None: the paper's
            progress:bool=True): # show a tqdm bar
-    "Covariate AUROC of MCM and PROTON over a grid of `cov_shift` × `class_strength`: `evaluate`'s rows with the two knobs."
+    "Covariate AUROC of MCM and PROTON (or the configured base score and PROTON on it) over a grid of `cov_shift` × `class_strength`: `evaluate`'s rows with the two knobs."
     pd, tqdm = import_pandas(), import_tqdm()
     world = SyntheticWorld() if world is None else world
     if not isinstance(world, SyntheticWorld): raise TypeError(f"world must be a SyntheticWorld, got {type(world).__name__}")
@@ -33,6 +33,6 @@ def regime(world:SyntheticWorld|None=None, # the base world whose other knobs ar
     frames = []
     for cov_shift, strength in tqdm(grid, desc="regime", disable=not progress):
         cache = EmbeddingCache.from_world(replace(world, cov_shift=cov_shift, class_strength=strength), n_id, n_per_shift, seed=seed)
-        df = evaluate(cache, ["mcm", "proton"], shifts="covariate", n_permutations=n_permutations, seed=seed, config=config, progress=False)
+        df = evaluate(cache, list(configured_methods(config)), shifts="covariate", n_permutations=n_permutations, seed=seed, config=config, progress=False)
         frames.append(df.assign(cov_shift=float(cov_shift), class_strength=float(strength)))
     return pd.concat(frames, ignore_index=True)

@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-from ..evaluation import PAPER_PROTOCOL, SkippedWarning, evaluate, import_pandas
+from ..evaluation import PAPER_PROTOCOL, SkippedWarning, configured_methods, evaluate, import_pandas
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 from ..streams import ORDERS
@@ -23,7 +23,7 @@ def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
                rhos=RHOS, # ID fractions to try
                misrouted=MISROUTED, # misrouted shares to try
                orders=ORDERS, # stream arrangements to try
-               methods=("mcm", "proton"), # methods to compare
+               methods=None, # methods to compare; None: the base score and PROTON on it (MCM and PROTON unless `config` names another)
                rho:float|None=PAPER_PROTOCOL.rho, # ID fraction of the misrouting and order runs
                n_permutations:int=PAPER_PROTOCOL.n_permutations, # stream orders per setting
                seed:int=0, # seed of the orders, the subsampling, the misrouting and the held-out split
@@ -36,7 +36,7 @@ def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
             [("order", dict(rho=rho, order=o), dict(rho=rho or np.nan, misrouted=0., order=o)) for o in orders])
     frames, skipped = [], []
     for factor, settings, columns in runs:
-        try: df = evaluate(cache, list(methods), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
+        try: df = evaluate(cache, list(methods or configured_methods(config)), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
         except ValueError as e:  # a setting this cache cannot run (too few ID images for id_first, one class to misroute): the others still can
             level = {"rho": columns["rho"], "misrouting": columns["misrouted"], "order": columns["order"]}[factor]
             skipped.append(f"{factor} {level} skipped: {e}"); warnings.warn(f"robustness: {skipped[-1]}", SkippedWarning, stacklevel=2)

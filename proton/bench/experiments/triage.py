@@ -34,7 +34,7 @@ def triage(cache:EmbeddingCache, # the embedding cache: ID images and at least t
            features=TRIAGE_FEATURES, # which of `TRIAGE_FEATURES` the classifier sees
            n_splits:int=5, # folds of the stratified cross-validation
            seed:int=0, # seed of the stream order, of the folds and of the tree
-           config:ProtonConfig|None=None): # PROTON's hyperparameters (τ comes from the cache); None: the paper's
+           config:ProtonConfig|None=None): # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
     "Experiment 8: each OOD image's shift type predicted out of fold from its (S_base, S_proto) pair; one row per image."
     pd = import_pandas()
     check_cache(cache)

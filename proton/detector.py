@@ -271,7 +271,7 @@ def _score(self:Proton,
     if routed is not None: routed = self._check_routed(routed, len(X))
     with self._memory_named(len(X)): saved = self._snapshot()
     try:
-        with torch.no_grad(), self._memory_named(len(X)):  # a base score that builds autograd history must not leave it in the bank
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False), self._memory_named(len(X)):  # a base score that builds autograd history must not leave it in the bank; the caller's autocast must not lower the detector's precision
             cut = self.config.warmup - self.welford.n if self._learned_var_ref is None else 0
             if not 0 < cut < len(X):
                 out = self._score_rows(X, norms, base, routed, return_parts)

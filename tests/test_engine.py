@@ -340,3 +340,17 @@ def test_many_classes_in_one_call_stay_within_the_memory_bound():
     assert r["bank"] and r["diff"] <= 1e-5
     bound = engine.CHUNK_CELLS * 48 + 6 * engine.TILE_BYTES  # the engine chapter's stated bound (its `class_mib`); input and bank add 5 MiB
     assert r["growth"] <= 1.5 * bound, f"one call grew the RSS by {r['growth'] / 2**20:.0f} MiB, far more than {bound / 2**20:.0f} MiB"  # RSS varies by ±100 MiB run to run; unbounded, it asked for gigabytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 20, 400])
+def test_an_autocast_the_caller_has_open_does_not_change_the_scores(dtype, amp, batch):
+    "score ran inside the caller's autocast (`with torch.autocast(...): det.score(model(x))`): the engine's and the step path's matmuls went to bfloat16 or float16, scores moved by 2e-3 and batch sizes disagreed."
+    g = torch.Generator().manual_seed(0)
+    text, X = torch.randn(10, 64, generator=g, dtype=dtype), torch.randn(400, 64, generator=g, dtype=dtype)
+    plain, inside = (Proton(text, ProtonConfig(k_min=2, gamma=.3, bank_size=20), temperature=.05) for _ in range(2))
+    expected = torch.cat([plain.score(X[a:a + batch], return_parts=True).proto for a in range(0, 400, batch)])
+    with torch.autocast("cpu", dtype=amp):
+        got = torch.cat([inside.score(X[a:a + batch], return_parts=True).proto for a in range(0, 400, batch)])
+    assert got.dtype == dtype and torch.equal(torch.nan_to_num(got, 9.), torch.nan_to_num(expected, 9.))

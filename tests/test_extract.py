@@ -1091,8 +1091,23 @@ def test_torchrun_puts_each_rank_on_its_own_gpu_before_it_joins(monkeypatch, dev
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(torch.device(d)))))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert ex._join_torchrun(device) == ("cuda:1" if device == "cuda" else "cpu")
     assert calls == want
+
+
+@pytest.mark.parametrize("device, rank, message", [("cuda", "2", r"^LOCAL_RANK is 2, but this machine shows 2 CUDA devices \(cuda:0 to cuda:1\): start at most 2 processes a node"),
+                                                   ("cuda:1", "0", r"^under torchrun each rank takes the GPU of its LOCAL_RANK: give --device cuda, not cuda:1")])
+def test_torchrun_refuses_a_rank_without_its_gpu_and_a_gpu_named_for_every_rank(monkeypatch, device, rank, message):
+    "A LOCAL_RANK past the visible GPUs reached torch.cuda.set_device's AcceleratorError, a traceback from the CLI; --device cuda:1 was silently replaced by cuda:<LOCAL_RANK>."
+    import torch.distributed as dist
+    from proton.models import extract as ex
+    monkeypatch.setenv("WORLD_SIZE", "2"); monkeypatch.setenv("LOCAL_RANK", rank)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: pytest.fail("joined"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set a device"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=message): ex._join_torchrun(device)
 
 
 def test_a_link_into_a_missing_folder_is_written_there(tmp_path):

@@ -936,7 +936,7 @@ def _parser():
     p.add_argument("--tokenizer", default=None, help="folder with the text encoder's vocab.txt (FLAIR, UniMed-CLIP)")
     p.add_argument("--text-pooling", default=None, choices=FLAIR_TEXT_POOLINGS, help="FLAIR only: average a prompt's token states over its "
                    "real tokens (default) or over the padded batch, as upstream's forward and the paper's numbers (what `reproduce` uses)")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available; under torchrun, cuda: each rank takes the GPU of its LOCAL_RANK)")
     p.add_argument("--batch-size", type=int, default=64, help=f"images per forward pass, at most {MAX_BATCH} (default 64)")
     p.add_argument("--workers", type=int, default=None, help=f"processes that decode images, 0 to {MAX_WORKERS} (default: CPUs, at most 16)")
     p.add_argument("--shard-size", type=int, default=256, help=f"images per shard, at most {MAX_SHARD} (default 256)")
@@ -964,8 +964,11 @@ def _join_torchrun(device:str): # the device asked for
     "Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on CPUs); the device this rank uses."
     import torch.distributed as dist
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized(): return device
-    cuda = torch.device(device).type == "cuda"
-    if cuda: torch.cuda.set_device(device := f"cuda:{os.environ.get('LOCAL_RANK', '0')}")  # NCCL's object collectives run on the current device: one GPU a rank
+    cuda, rank = torch.device(device).type == "cuda", int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda and torch.device(device).index is not None: raise ValueError(f"under torchrun each rank takes the GPU of its LOCAL_RANK: give --device cuda, not {device}")
+    if cuda and rank >= (n := torch.cuda.device_count()):
+        raise ValueError(f"LOCAL_RANK is {rank}, but this machine shows {n} CUDA devices (cuda:0 to cuda:{n - 1}): start at most {n} processes a node")
+    if cuda: torch.cuda.set_device(device := f"cuda:{rank}")  # NCCL's object collectives run on the current device: one GPU a rank
     dist.init_process_group("nccl" if cuda else "gloo")
     return device
 

@@ -175,7 +175,6 @@ class WarmupThreshold:
                  warmup:int=200, # W, calibrated scores the threshold is read from; they are assumed to be ID (a clean start)
                  id_recall:float=0.95): # q, fraction of ID images that should pass unflagged
         w, q = whole_in_range(warmup, "warmup", 2, MAX_WARMUP), plain_number(id_recall)
-        if w is None: raise ValueError(f"warmup must be an integer of at least 2, got {warmup!r}")
         if q is None or not 0 < q < 1: raise ValueError(f"id_recall must be in (0, 1), got {id_recall!r}")
         self.warmup, self.id_recall = w, q
         self.seen, self.theta, self.mean, self.std, self.source = [], None, None, None, None
@@ -274,9 +273,8 @@ class CusumDrift:
         "Restore a state saved by `state_dict`."
         if set(sd) != set(self.state_dict()) or (sd["k"], sd["h"]) != (self.k, self.h):
             raise ValueError(f"drift state {sd} does not fit CusumDrift(k={self.k}, h={self.h})")
-        c, a = plain_number(sd["statistic"]), plain_number(sd["alarms"], whole=True)
+        c, a = plain_number(sd["statistic"]), whole_in_range(sd["alarms"], "drift state: alarms", 0)
         if c is None or not 0 <= c <= self.h: raise ValueError(f"drift state: statistic must be a number in [0, h={self.h}] (C restarts from 0 once above h), got {sd['statistic']!r}")
-        if a is None or a < 0: raise ValueError(f"drift state: alarms must be a non-negative integer, got {sd['alarms']!r}")
         self.statistic, self.alarms = c, a
         return self
 
@@ -352,10 +350,8 @@ def bank_audit(predicted, # (N,) zero-shot class of every image of the stream, f
     "(class, slot, stream index) of every bank entry, slot 0 the oldest: the last M images enqueued into each class."
     shape, enqueued = np.shape(predicted), _flags(enqueued, "enqueued")
     if shape != enqueued.shape or len(shape) != 1: raise ValueError(f"predicted and enqueued must be 1-D of one length, got {shape} and {enqueued.shape}")
-    if whole_in_range(bank_size, "bank_size", 1, MAX_BANK) is None: raise ValueError(f"bank_size must be a positive integer, got {bank_size!r}")
-    n = whole_in_range(n_classes, "n_classes", 1, 2**63 - 1)  # a class index is an int64
-    if n is None: raise ValueError(f"n_classes must be a positive integer, got {n_classes!r}")
-    predicted, bank_size = class_indices(predicted, n, "predicted classes").cpu().numpy(), int(bank_size)
+    bank_size, n = whole_in_range(bank_size, "bank_size", 1, MAX_BANK), whole_in_range(n_classes, "n_classes", 1, 2**63 - 1)  # a class index is an int64
+    predicted = class_indices(predicted, n, "predicted classes").cpu().numpy()
     out = []
     for c in np.unique(predicted[enqueued]):  # the classes that hold entries, in order: not every one of C
         held = np.flatnonzero(enqueued & (predicted == c))[-bank_size:]

@@ -120,10 +120,13 @@ def plain_number(value, # a Python, numpy or 0-d torch number
 
 def whole_in_range(value, # a Python, numpy or 0-d torch number
                    name:str, # the setting's name, for the message
-                   low:int, high:int): # the least and the most it may be
-    "`value` as an int if it is an integer from `low` to `high`; None if it is no integer; a `ValueError` naming `name` and the range if it is one outside it."
-    v = value if type(value) is int else plain_number(value, whole=True)  # a Python int past int64, which numpy cannot hold, is an integer all the same
-    if v is not None and not low <= v <= high: raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+                   low:int|None=None, high:int|None=None): # the least and the most it may be; None: no bound (`high` only with `low`)
+    "`value` as an int if it is an integer from `low` to `high`, else a `ValueError` naming `name` and the range."
+    v = value if type(value) is int else plain_number(value, whole=True)  # a Python int past int64, which numpy cannot hold, is an integer all the same; a bool is none
+    if v is None or (low is not None and v < low) or (high is not None and v > high):
+        kind = "an integer" if low is None else f"an integer from {low} to {high}" if high is not None else \
+               "a positive integer" if low == 1 else "a non-negative integer" if low == 0 else f"an integer of at least {low}"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     return v
 
 def check_temperature(temperature): # τ, from a configuration, a cache or a model

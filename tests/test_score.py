@@ -543,7 +543,7 @@ def test_the_temporary_file_of_a_killed_audit_write_is_removed_by_the_next_but_n
 
 
 @pytest.mark.parametrize("bad,message", [(dict(batch_size=0), "batch_size must be an integer from 1 to 65536, got 0"),
-                                         (dict(batch_size=2.5), "batch_size must be a positive integer, got 2.5"),
+                                         (dict(batch_size=2.5), "batch_size must be an integer from 1 to 65536, got 2.5"),
                                          (dict(device="tpu"), "unknown device 'tpu'"),
                                          (dict(warmup=1), "warmup must be an integer from 2 to 16777216, got 1"),
                                          (dict(id_recall=1.5), r"id_recall must be in \(0, 1\)"),
@@ -872,7 +872,7 @@ def test_a_chunk_size_that_is_not_a_whole_number_is_refused_before_any_file(tmp_
     cache = cache_file(tmp_path / "c.npz", 50)
     if v == 2.0: assert score_stream(cache, tmp_path / "r2.csv", chunk_size=v, progress=False) == (50, 50)  # a whole number, as a float
     else:
-        with pytest.raises(ValueError, match=re.escape(f"chunk_size must be a positive integer, got {v!r}")):
+        with pytest.raises(ValueError, match=re.escape(f"chunk_size must be an integer from 1 to 65536, got {v!r}")):
             score_stream(cache, tmp_path / "r2.csv", chunk_size=v, progress=False)
         assert not list(tmp_path.glob("r2*"))
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..deploy import replace_atomically
-from ..scores import MIN_NORM, as_unit_rows, check_temperature, add_methods, shared_direction
-from .synth import SHIFTS, SyntheticWorld, _whole
+from ..scores import MIN_NORM, as_unit_rows, check_temperature, add_methods, shared_direction, whole_in_range
+from .synth import SHIFTS, SyntheticWorld
 
 # %% ../../nbs/20_cache.ipynb
 def _array(x, name):
@@ -288,8 +288,8 @@ def _from_world(cls,
                 dtype=np.float32): # floating dtype of the stored embeddings
     "A simulated cache: `n_id` ID images and `n_per_shift` images of each OOD shift from `world`."
     from proton import __version__
-    n_id, n_per_shift, n_fit = (_whole(n, name, 0) for name, n in (("n_id", n_id), ("n_per_shift", n_per_shift), ("n_fit", n_fit)))
-    seed = _whole(seed, "seed")  # Python ints, as the metadata records them
+    n_id, n_per_shift, n_fit = (whole_in_range(n, name, 0) for name, n in (("n_id", n_id), ("n_per_shift", n_per_shift), ("n_fit", n_fit)))
+    seed = whole_in_range(seed, "seed")  # Python ints, as the metadata records them
     try: dt = np.dtype(dtype)
     except TypeError: dt = None  # a torch dtype, say
     if dt is None or dt.kind != "f": raise ValueError(f"dtype must be a numpy floating dtype such as np.float32, got {dtype!r}")

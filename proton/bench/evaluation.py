@@ -31,7 +31,7 @@ from .experiments import EXPERIMENTS, experiment
 from ..deploy import check_writable, replace_atomically, same_file
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
-from ..scores import as_unit_rows, compute_dtype, plain_number, add_methods
+from ..scores import as_unit_rows, compute_dtype, add_methods, whole_in_range
 from .streams import ORDERS, Stream, misroute, stream_permutations
 from .synth import PRESETS, SHIFTS, SyntheticWorld
 
@@ -327,12 +327,9 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     pd, tqdm = import_pandas(), import_tqdm()
     if rho is not None and not 0 < rho < 1: raise ValueError(f"rho (the ID fraction) must be in (0, 1), got {rho}")
     if order not in ORDERS: raise ValueError(f"unknown order {order!r}: choose one of {ORDERS}")
-    if isinstance(n_permutations, bool) or int(n_permutations) != n_permutations or n_permutations < 1:
-        raise ValueError(f"n_permutations must be a positive integer, got {n_permutations}")
+    n_permutations = whole_in_range(n_permutations, "n_permutations", 1)
     if fpr95_convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {fpr95_convention!r}: choose one of {FPR95_CONVENTIONS}")
-    s = plain_number(seed, whole=True)  # a numpy integer too: torch's generators take Python ints only
-    if s is None or not 0 <= s < 2**32: raise ValueError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
-    seed = s
+    seed = whole_in_range(seed, "seed", 0, 2**32 - 1)  # a Python int: torch's generators take no numpy integer
     variants, shifts = _variants(methods, config), _shifts(shifts)
     check_cache(cache)
     fit = fit_split and cache.fit_labels is not None

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..scores import plain_number
+from ..scores import plain_number, whole_in_range
 from .cache import EmbeddingCache, check_cache
 from .synth import SHIFTS
 
@@ -59,13 +59,6 @@ def _arrange(id_rows:np.ndarray, ood_rows:np.ndarray, order:str, warmup:int, rng
     return np.r_[id_rows, ood_rows][np.argsort(keys, kind="stable")]
 
 # %% ../../nbs/21_streams.ipynb
-def _seed(value, # a seed, Python, numpy or 0-d torch
-          name:str="seed"): # what it is, used in error messages
-    "`value` as an int, or a `ValueError` unless it is a non-negative integer."
-    s = plain_number(value, whole=True)
-    if s is None or s < 0: raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return s
-
 def make_stream(cache:EmbeddingCache, # the embedding cache the stream draws from
                 shift:str, # the OOD shift of the stream: "semantic", "covariate" or "far"
                 rho:float|None=None, # ID fraction in (0, 1); None keeps every ID and `shift` image
@@ -75,7 +68,7 @@ def make_stream(cache:EmbeddingCache, # the embedding cache the stream draws fro
                 sample_seed:int=0): # seed of the subsampling to `rho`
     "A stream of the ID images and the `shift` images of `cache`: indices in stream order and OOD indicator."
     if order not in ORDERS: raise ValueError(f"unknown order {order!r}: choose one of {ORDERS}")
-    seed, sample_seed = _seed(seed), _seed(sample_seed, "sample_seed")
+    seed, sample_seed = whole_in_range(seed, "seed", 0), whole_in_range(sample_seed, "sample_seed", 0)
     id_rows, ood_rows = _at_fraction(*_members(cache, shift), rho, sample_seed)
     w = plain_number(warmup, whole=True)
     if order == "id_first" and (w is None or w < 0):
@@ -95,8 +88,7 @@ def stream_permutations(cache:EmbeddingCache, # the embedding cache the streams 
                         warmup:int=50, # leading ID images, for order="id_first" only
                         sample_seed:int=0): # seed of the subsampling to `rho`, shared by all orders
     "`n_permutations` orders of the same stream, as a list of (seed, `Stream`) pairs."
-    n, seed = plain_number(n_permutations, whole=True), _seed(seed)
-    if n is None or n < 1: raise ValueError(f"n_permutations must be a positive integer, got {n_permutations!r}")
+    n, seed = whole_in_range(n_permutations, "n_permutations", 1), whole_in_range(seed, "seed", 0)
     return [(s, make_stream(cache, shift, rho, order, s, warmup, sample_seed)) for s in range(seed, seed + n)]
 
 # %% ../../nbs/21_streams.ipynb
@@ -105,7 +97,7 @@ def misroute(cache:EmbeddingCache, # the images to route
              seed:int=0): # seed of the choice of images and of their wrong classes
     "(N,) class each image is routed to: its zero-shot class, but a random other class for round(f·N) random images."
     check_cache(cache)
-    f, seed = plain_number(fraction), _seed(seed)
+    f, seed = plain_number(fraction), whole_in_range(seed, "seed", 0)
     if f is None or not 0 <= f <= 1: raise ValueError(f"the misrouted share must be in [0, 1], got {fraction!r}")
     if cache.n_classes < 2: raise ValueError("misrouting needs at least two classes, the cache has one")
     routed = cache.predicted().astype(np.int64)

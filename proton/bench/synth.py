@@ -12,20 +12,10 @@ from dataclasses import dataclass, asdict, fields
 import torch
 from torch import Tensor
 
-from ..scores import add_methods, plain_number
+from ..scores import add_methods, whole_in_range
 
 # %% ../../nbs/01_synth.ipynb
 SHIFTS = ("id", "semantic", "covariate", "far")  # kinds of sample, ID first
-
-def _whole(value, # a Python, numpy or 0-d torch number
-           name:str, # what it is, for the message
-           low:int|None=None, high:int|None=None): # the least and the most it may be; None: no bound
-    "`value` as an int if it is an integer from `low` to `high`, else a `ValueError` naming `name` and the range."
-    v = value if type(value) is int else plain_number(value, whole=True)  # a numpy integer or a whole float too; a bool is no integer
-    if v is None or (low is not None and v < low) or (high is not None and v > high):
-        span = "" if low is None else f" of at least {low}" if high is None else f" from {low} to {high}"
-        raise ValueError(f"{name} must be an integer{span}, got {value!r}")
-    return v
 
 @dataclass(frozen=True)
 class SyntheticWorld:
@@ -50,7 +40,7 @@ class SyntheticWorld:
 
     def __post_init__(self):
         for name, low, high in (("n_classes", 1, None), ("dim", 1, None), ("noise_rank", 0, None), ("seed", -2**63, 2**64 - 1)):  # seed: what torch's generator takes
-            object.__setattr__(self, name, _whole(getattr(self, name), name, low, high))  # frozen: set here only
+            object.__setattr__(self, name, whole_in_range(getattr(self, name), name, low, high))  # frozen: set here only
         if self.dim < self.n_classes + 6 + self.noise_rank:
             raise ValueError(f"dim={self.dim} is too small for {self.n_classes} classes and noise_rank={self.noise_rank}")
         g = torch.Generator().manual_seed(self.seed)
@@ -74,7 +64,7 @@ def _sample(self:SyntheticWorld,
             dtype:torch.dtype=torch.float32): # dtype of the embeddings
     "(n, d) L2-normalised image embeddings of one kind, and their (n,) classes (-1 for semantic and far)."
     if kind not in SHIFTS: raise ValueError(f"unknown kind {kind!r}: choose one of {SHIFTS}")
-    n, seed = _whole(n, "n", 0), _whole(seed, "seed")  # Python ints: a numpy seed would overflow the mix below
+    n, seed = whole_in_range(n, "n", 0), whole_in_range(seed, "seed")  # Python ints: a numpy seed would overflow the mix below
     g = torch.Generator().manual_seed((self.seed * 1_000_003 + SHIFTS.index(kind) * 7919 + seed) % 2**63)
     rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     C, A = self.n_classes, self.class_dirs

@@ -485,7 +485,7 @@ SHARD_FORMAT = "proton-shard-1"
 def shard_ranges(n:int, # number of images
                  shard_size:int): # images per shard
     "[(start, stop), ...] of the consecutive shards that cover n images."
-    if int(shard_size) != shard_size or shard_size < 1: raise ValueError(f"shard_size must be a positive integer, got {shard_size}")
+    shard_size = whole_in_range(shard_size, "shard_size", 1)
     return [(a, min(n, a + shard_size)) for a in range(0, n, shard_size)]
 
 def shard_path(shards:Path, # the shard folder
@@ -813,7 +813,7 @@ def check_extract(data_dir:str|os.PathLike, # a prepared folder
         if bad: raise ValueError(f"{what} {bad[1]!r} is not UTF-8 text (a name in another encoding?) and cannot be written to a cache; "
                                  + ("write it in UTF-8" if what == "a prompt" else "rename it"))
     for name, v, low, high in (("batch_size", batch_size, 1, MAX_BATCH), ("shard_size", shard_size, 1, MAX_SHARD), ("num_workers", num_workers, 0, MAX_WORKERS)):
-        if v is not None and whole_in_range(v, name, low, high) is None: raise ValueError(f"{name} must be an integer of at least {low}, got {v!r}")
+        if v is not None: whole_in_range(v, name, low, high)
     share = worker_fraction(worker_share)
     if out is not None and not Path(out).name: raise ValueError(f"name the cache file to write, e.g. {folder.name}.npz; got {str(out)!r}")
     if out is not None and Path(out).is_dir(): raise ValueError(f"{out} is a folder: name the cache file to write, e.g. {Path(out) / folder.name}.npz")

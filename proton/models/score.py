@@ -386,9 +386,8 @@ def score_stream(source:str|os.PathLike, # an image folder, a file list, or an e
                  progress:bool=True): # show a progress bar
     "Score the images of `source` not yet in `out`, in stream order, continuing its stream; returns (new rows, all rows)."
     workers = default_workers() if workers is None else workers
-    for name, v, high in (("chunk_size", chunk_size, MAX_BATCH), ("batch_size", batch_size, MAX_BATCH), ("workers", workers, MAX_WORKERS)):  # a chunk's images are read into memory at once, as a batch's
-        if whole_in_range(v, name, 1, high) is None: raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    chunk_size, batch_size, workers = int(chunk_size), int(batch_size), int(workers)
+    chunk_size, batch_size, workers = (whole_in_range(v, name, 1, high) for name, v, high in  # a chunk's images are read into memory at once, as a batch's
+                                       (("chunk_size", chunk_size, MAX_BATCH), ("batch_size", batch_size, MAX_BATCH), ("workers", workers, MAX_WORKERS)))
     threshold, drift = WarmupThreshold(warmup, id_recall), CusumDrift(drift_k, drift_h)  # a new stream's; built here, their checks come before a lock or a file
     results, source = Results(out), Path(source)
     if not source.exists(): raise FileNotFoundError(f"no embedding cache, image folder or file list at {source}")  # not 'needs a model' for a cache's typo

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..bench.prepared import DICOM_SUFFIXES, has_dicom_marker
 from ..deploy import torch_load_safely
-from ..scores import as_unit_rows, check_temperature, add_methods, plain_number, shared_direction
+from ..scores import as_unit_rows, check_temperature, add_methods, shared_direction, whole_in_range
 
 # %% ../../nbs/40_vlm.ipynb
 MAX_LOGIT_SCALE = 100.  # CLIP-style training clamps the learnt scale here
@@ -192,16 +192,10 @@ def pixels_to_float(p:Tensor): # uint8 pixels, any shape, on any device
     return p.float().div_(torch.full((), 255., device=p.device))
 
 # %% ../../nbs/40_vlm.ipynb
-def _batch_size(value): # what the caller gave
-    "`value` as a positive int, or a `ValueError` naming it."
-    v = plain_number(value, whole=True)
-    if v is None or v < 1: raise ValueError(f"batch_size must be a positive integer, got {value!r}")
-    return v
-
 def _image_batches(self:VLM, images, batch_size:int):
     "Preprocessed (B, 3, H, W) float batches of `images`, on the model's device."
     from PIL import Image
-    batch_size = _batch_size(batch_size)
+    batch_size = whole_in_range(batch_size, "batch_size", 1)
     if isinstance(images, Tensor):
         if images.ndim != 4 or images.shape[1] != 3 or tuple(images.shape[2:]) != self.image_size or not images.is_floating_point():
             raise ValueError(f"a preprocessed image tensor must be float (N, 3, {self.image_size[0]}, {self.image_size[1]}), "
@@ -241,7 +235,7 @@ def _encode_text(self:VLM,
     "(C, d) float32 L2-normalised text embeddings, on the CPU."
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a list of strings (pass [prompt] for a single one)")
-    prompts, batch_size = list(prompts), _batch_size(batch_size)
+    prompts, batch_size = list(prompts), whole_in_range(batch_size, "batch_size", 1)
     chunks = (prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size))
     return self._encode(self._text_features, chunks, "text embeddings")
 

@@ -34,6 +34,24 @@ def test_a_bad_integer_knob_is_named_in_one_line(knob, value):
     with pytest.raises(ValueError, match=rf"^{knob} must be (an|a positive|a non-negative) integer") as e: SyntheticWorld(**(SMALL | {knob: value}))
     assert one_line(e.value)
 
+FLOAT_KNOBS = [f.name for f in dataclasses.fields(SyntheticWorld) if f.type is float and f.name != "temperature"]
+
+@pytest.mark.parametrize("knob", FLOAT_KNOBS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "0.5", None, np.array([0.5, 0.5])])
+def test_a_real_knob_that_is_no_finite_number_is_named_in_one_line(knob, value):
+    "A NaN or infinite knob drew NaN embeddings (the cache refused them later, naming rows); a string or None a raw TypeError."
+    with pytest.raises(ValueError, match=rf"^{knob} must be a finite number, got ") as e: SyntheticWorld(**(SMALL | {knob: value}))
+    assert one_line(e.value)
+
+@pytest.mark.parametrize("value, message", [(-1., "temperature must be positive"), (0., "temperature must be positive"), ("0.01", "temperature must be a positive, finite number")])
+def test_a_world_refuses_a_temperature_no_cache_could_hold(value, message):
+    with pytest.raises(ValueError, match=message): SyntheticWorld(**(SMALL | dict(temperature=value)))
+
+def test_real_knobs_of_any_number_type_give_the_world_of_the_python_float():
+    w, ref = SyntheticWorld(**SMALL, spread=np.float64(0.25), temperature=torch.tensor(0.02, dtype=torch.float64)), SyntheticWorld(**SMALL, spread=0.25, temperature=0.02)
+    assert dataclasses.asdict(w) == dataclasses.asdict(ref) and type(w.spread) is float and type(w.temperature) is float
+    assert torch.equal(w.sample("far", 4)[0], ref.sample("far", 4)[0])
+
 @pytest.mark.parametrize("kind", SHIFTS)
 def test_noise_rank_zero_draws_no_noise(kind):
     w = SyntheticWorld(dim=40, noise_rank=0)

@@ -12,10 +12,16 @@ from dataclasses import dataclass, asdict, fields
 import torch
 from torch import Tensor
 
-from ..scores import add_methods, whole_in_range
+from ..scores import add_methods, check_temperature, plain_number, whole_in_range
 
 # %% ../../nbs/01_synth.ipynb
 SHIFTS = ("id", "semantic", "covariate", "far")  # kinds of sample, ID first
+
+def _finite(value, name:str): # a real knob, and its name for the message
+    "`value` as a Python float, or a `ValueError` unless it is a finite real number."
+    v = plain_number(value)
+    if v is None or not math.isfinite(v): raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return v
 
 @dataclass(frozen=True)
 class SyntheticWorld:
@@ -41,6 +47,9 @@ class SyntheticWorld:
     def __post_init__(self):
         for name, low, high in (("n_classes", 1, None), ("dim", 1, None), ("noise_rank", 0, None), ("seed", -2**63, 2**64 - 1)):  # seed: what torch's generator takes
             object.__setattr__(self, name, whole_in_range(getattr(self, name), name, low, high))  # frozen: set here only
+        for f in fields(self):
+            if f.type is float and f.name != "temperature": object.__setattr__(self, f.name, _finite(getattr(self, f.name), f.name))
+        object.__setattr__(self, "temperature", check_temperature(self.temperature))
         if self.dim < self.n_classes + 6 + self.noise_rank:
             raise ValueError(f"dim={self.dim} is too small for {self.n_classes} classes and noise_rank={self.noise_rank}")
         g = torch.Generator().manual_seed(self.seed)

@@ -327,3 +327,16 @@ def test_split_refuses_bad_input(bad, msg):
 def test_split_refuses_bad_fraction(fraction):
     with pytest.raises(ValueError, match="fraction must be in"):
         split_held_out(np.arange(10), fraction)
+
+
+@pytest.mark.parametrize("name", list(PROMPT_BASELINES) + ["hier_mcm_l1"])
+def test_prompts_for_another_number_of_classes_are_refused(name):
+    "A (C, P, d) array, prompts and classes swapped, was read as P classes and scored against C text embeddings without a word."
+    rng = np.random.default_rng(11)
+    E, T = rng.normal(size=(6, 8)), rng.normal(size=(2, 8))
+    swapped = rng.normal(size=(2, 5, 8))  # (C, P, d)
+    with pytest.raises(ValueError, match=r"prompt_text_embeddings hold 5 classes, the text embeddings hold 2"):
+        baseline_scores(name, E, T, .5, prompt_text_embeddings=swapped)
+    with pytest.raises(ValueError, match=r"hold 3 classes, the text embeddings hold 2"):
+        baseline_scores(name, E, T, .5, prompt_text_embeddings=[g for g in rng.normal(size=(3, 4, 8))])
+    assert baseline_scores(name, E, T, .5, prompt_text_embeddings=swapped.transpose(1, 0, 2)).shape == (6,)

@@ -568,3 +568,15 @@ def test_a_privileged_method_skipped_for_too_few_images_says_so_in_the_users_ter
     fitted = replace(cache, fit_embeddings=cache.image_embeddings[:4], fit_labels=np.maximum(cache.labels[:4], 0))
     _, messages = quiet_evaluate(fitted, ["mcm", "knn_id"], shifts="far", n_permutations=1)
     assert any("knn_id (the cache's fit split holds 4 images; kNN-ID needs at least k = 10)" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("method", ["hier_mcm", "proton[hier_mcm]", "prompt_ensemble_mcm"])
+def test_prompts_for_another_number_of_classes_are_refused(cache, method):
+    "Prompts of shape (C, P, d), read as P classes against the cache's C, gave AUROCs without a word."
+    P = noisy_views(cache.text_embeddings, 5, .5).numpy()  # (C, P, d): the axes swapped
+    with pytest.raises(ValueError, match=rf"prompt_text_embeddings hold 5 classes, the cache has {cache.n_classes}"):
+        evaluate(cache, [method, "mcm"], n_permutations=1, prompt_text_embeddings=P, progress=False)
+    with pytest.raises(ValueError, match="hold 5 classes, the cache has"):
+        method_scores(method, cache, make_stream(cache, "semantic", seed=0), prompt_text_embeddings=P)
+    df, _ = quiet_evaluate(cache, [method, "mcm"], n_permutations=1, prompt_text_embeddings=P.transpose(1, 0, 2))
+    assert set(df.method) == {method, "mcm"}

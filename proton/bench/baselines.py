@@ -4,7 +4,7 @@
 
 # %% auto 0
 __all__ = ['ROUTED_SCORES', 'NO_LOCAL', 'PROMPT_POOLINGS', 'NO_PROMPTS', 'KNN_K', 'MAHALANOBIS_RIDGE', 'ZERO_SHOT', 'BASELINES',
-           'PROMPT_SET_OF', 'STAND_IN_PROMPTS', 'static_score', 'routed_score', 'gl_mcm_score',
+           'PROMPT_SET_OF', 'STAND_IN_PROMPTS', 'static_score', 'routed_score', 'gl_mcm_score', 'check_prompt_classes',
            'ensemble_text_embeddings', 'prompt_mcm_score', 'split_held_out', 'KNNScorer', 'fit_knn',
            'MahalanobisScorer', 'fit_mahalanobis', 'Baseline', 'HeldOut', 'baseline_scores', 'prompt_set_for',
            'noisy_views', 'with_stand_ins']
@@ -99,6 +99,14 @@ def _prompt_groups(prompt_text_embeddings, dtype=None, device=None, dim:int|None
         groups = list(X.unbind(1))
     dim = dim or groups[0].shape[1]
     return [as_unit_rows(g, dim=dim, name=f"prompt text embeddings of class {c}") for c, g in enumerate(groups)]
+
+def check_prompt_classes(prompt_text_embeddings, # (P, C, d) array, or a list of C arrays (P_c, d)
+                         n_classes:int, # C, the number of ID classes the prompts must cover
+                         holder:str="the text embeddings hold"): # what holds the C classes, for the message
+    "Raise unless the prompts cover `n_classes` classes (a (C, P, d) array would be read as P classes)."
+    n = len(_prompt_groups(prompt_text_embeddings))
+    if n != n_classes: raise ValueError(f"prompt_text_embeddings hold {n} classes, {holder} {n_classes}: "
+                                        "give a (P, C, d) array, prompts first, or a list of C arrays (P_c, d)")
 
 def ensemble_text_embeddings(prompt_text_embeddings): # (P, C, d) array, or a list of C arrays (P_c, d)
     "The prompt ensemble: each class's mean normalised prompt embedding, renormalised: (C, d)."
@@ -289,7 +297,9 @@ def baseline_scores(name:str, # a name in `BASELINES`
         if given[need] is None: raise ValueError(f"{name} needs {_MISSING[need]}")
     if name in BASE_SCORES: return static_score(name, image_embeddings, text_embeddings, temperature)
     if name == "gl_mcm": return gl_mcm_score(image_embeddings, local_embeddings, text_embeddings, temperature, lambda_local)
-    if name in _POOL: return prompt_mcm_score(image_embeddings, prompt_text_embeddings, temperature, _POOL[name])
+    if name in _POOL:
+        if text_embeddings is not None: check_prompt_classes(prompt_text_embeddings, len(as_unit_rows(text_embeddings, name="text embeddings")))
+        return prompt_mcm_score(image_embeddings, prompt_text_embeddings, temperature, _POOL[name])
     if not isinstance(held_out, tuple) or len(held_out) != 2:
         raise ValueError(f"held_out must be HeldOut(embeddings, labels), got {type(held_out).__name__}")
     held_out = HeldOut(*held_out)

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, KNN_K, baseline_scores, prompt_set_for,
-                                    routed_score, split_held_out, with_stand_ins)
+from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, KNN_K, baseline_scores,
+                                    check_prompt_classes, prompt_set_for, routed_score, split_held_out, with_stand_ins)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
 from ..deploy import check_writable, replace_atomically, same_file
@@ -88,6 +88,7 @@ class _Prepared:
         dtype = compute_dtype(cache.text_embeddings, name="text embeddings")
         self.E = as_unit_rows(cache.image_embeddings, dtype=dtype, name="image embeddings")
         self.T = as_unit_rows(cache.text_embeddings, dtype=dtype, name="text embeddings")
+        if prompt_text_embeddings is not None: check_prompt_classes(prompt_text_embeddings, len(self.T), "the cache has")
         self._scores = {}
 
     def scores(self, name:str, # a name in `BASELINES`

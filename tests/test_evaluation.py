@@ -580,3 +580,15 @@ def test_prompts_for_another_number_of_classes_are_refused(cache, method):
         method_scores(method, cache, make_stream(cache, "semantic", seed=0), prompt_text_embeddings=P)
     df, _ = quiet_evaluate(cache, [method, "mcm"], n_permutations=1, prompt_text_embeddings=P.transpose(1, 0, 2))
     assert set(df.method) == {method, "mcm"}
+
+
+def test_given_prompts_stand_for_the_deepest_level_only(cache):
+    "With prompt_text_embeddings=, hier_mcm_l1 and TAG pooled them too: hier_mcm_l1 equalled hier_mcm exactly, under another name."
+    P = noisy_views(cache.text_embeddings, 5, .5).numpy().transpose(1, 0, 2)  # (P, C, d)
+    names = ["hier_mcm", "prompt_ensemble_mcm", "hier_mcm_l1", "tag_mcm", "proton[hier_mcm_l1]"]
+    df, messages = quiet_evaluate(cache, names, n_permutations=1, prompt_text_embeddings=P)
+    assert set(df.method) == {"hier_mcm", "prompt_ensemble_mcm"}
+    for name, want in [("hier_mcm_l1", "'L1'"), ("tag_mcm", "'tag'"), ("proton[hier_mcm_l1]", "'L1'")]:
+        assert any(f"{name} ({name.removeprefix('proton[').removesuffix(']')} pools the prompt set {want}" in m for m in messages), (name, messages)
+    with pytest.raises(ValueError, match="hier_mcm_l1 pools the prompt set 'L1'"):
+        method_scores("hier_mcm_l1", cache, make_stream(cache, "semantic", seed=0), prompt_text_embeddings=P)

@@ -82,7 +82,7 @@ class _Prepared:
     def __init__(self,
                  cache:EmbeddingCache, # the images the streams draw from
                  held_out:HeldOut|None=None, # labelled held-out ID split, for the privileged methods
-                 prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
+                 prompt_text_embeddings=None, # (P, C, d) several prompts per class, the deepest level: for the prompt ensemble and hier_mcm
                  routed=None): # (N,) class each image is routed to (see `misroute`); None: its zero-shot class
         self.cache, self.held_out, self.prompts, self.routed = check_cache(cache), held_out, prompt_text_embeddings, routed
         dtype = compute_dtype(cache.text_embeddings, name="text embeddings")
@@ -97,7 +97,10 @@ class _Prepared:
         c, prompts = self.cache, self.prompts
         t = c.temperature if temperature is None else temperature
         if (name, t) not in self._scores:
-            if prompts is None and name in PROMPT_SET_OF: prompts = c.prompt_group(prompt_set_for(name, c.prompt_set_names))
+            if name in PROMPT_SET_OF and prompts is None: prompts = c.prompt_group(prompt_set_for(name, c.prompt_set_names))
+            elif name in PROMPT_SET_OF and PROMPT_SET_OF[name] != "deepest":
+                raise ValueError(f"{name} pools the prompt set {PROMPT_SET_OF[name]!r}, and prompt_text_embeddings stand for the deepest level "
+                                 "of a hierarchy; give none to pool the cache's prompt sets")
             if self.routed is not None and not BASELINES[name].privileged:
                 self._scores[name, t] = routed_score(name, self.E, self.T, t, self.routed)
             else: self._scores[name, t] = baseline_scores(name, self.E, self.T, t, local_embeddings=c.local_embeddings,
@@ -152,7 +155,7 @@ def method_scores(method:str, # a name in `METHODS`
                   config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
                   held_out:HeldOut|None=None, # labelled held-out ID split, for kNN-ID and Mahalanobis-ID
                   *,
-                  prompt_text_embeddings=None): # (P, C, d) several prompts per class, for the prompt baselines
+                  prompt_text_embeddings=None): # (P, C, d) several prompts per class, the deepest level: for the prompt ensemble and hier_mcm
     "Scores of one method on one stream, in stream order: (n,) float64 array, higher = more OOD."
     m = _method(method)
     if config is not None and not m.online: raise ValueError(f"config applies to PROTON methods only, not to {method!r}")
@@ -319,7 +322,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
              fit_split:bool=PAPER_PROTOCOL.fit_split, # fit privileged methods on the cache's fit split, when it has one
              held_out_fraction:float|None=PAPER_PROTOCOL.held_out_fraction, # else: ID share held out when a privileged method runs; 0: none
              fpr95_convention:str=PAPER_PROTOCOL.fpr95_convention, # how FPR95 is computed, one of `FPR95_CONVENTIONS`
-             prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
+             prompt_text_embeddings=None, # (P, C, d) several prompts per class, the deepest level: for the prompt ensemble and hier_mcm
              misrouted:float=0., # share of the images routed to a wrong class (see `misroute`); 0: none
              warmup:int=50, # leading ID images, for order="id_first"
              progress:bool=True, # show a tqdm bar

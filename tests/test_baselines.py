@@ -340,3 +340,14 @@ def test_prompts_for_another_number_of_classes_are_refused(name):
     with pytest.raises(ValueError, match=r"hold 3 classes, the text embeddings hold 2"):
         baseline_scores(name, E, T, .5, prompt_text_embeddings=[g for g in rng.normal(size=(3, 4, 8))])
     assert baseline_scores(name, E, T, .5, prompt_text_embeddings=swapped.transpose(1, 0, 2)).shape == (6,)
+
+
+@pytest.mark.parametrize("lam", [math.nan, math.inf, -math.inf, -.5, None, "1", True, np.ones(2)])
+def test_gl_mcm_refuses_a_lambda_that_is_no_non_negative_finite_number(lam):
+    "λ = NaN gave all-NaN scores, ∞ gave -∞ for every image, and None or '1' a raw TypeError."
+    rng = np.random.default_rng(12)
+    E, X, T = rng.normal(size=(6, 4)), rng.normal(size=(6, 5, 4)), rng.normal(size=(3, 4))
+    with pytest.raises(ValueError, match=r"lambda_local must be a non-negative, finite number, got "):
+        gl_mcm_score(E, X, T, .5, lambda_local=lam)
+    with pytest.raises(ValueError, match=r"lambda_local must be"):
+        baseline_scores("gl_mcm", E, T, .5, local_embeddings=X, lambda_local=lam)

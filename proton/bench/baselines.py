@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..detector import class_indices
-from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, zero_shot_logits, add_methods
+from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, plain_number, zero_shot_logits, add_methods
 
 # %% ../../nbs/22_baselines.ipynb
 def _units(image_embeddings, text_embeddings):
@@ -71,12 +71,14 @@ def gl_mcm_score(image_embeddings, # (N, d) global image embeddings
                  local_embeddings, # (N, L, d) local (patch) embeddings of the same images
                  text_embeddings, # (C, d) text embeddings of the ID class prompts
                  temperature:float=0.01, # τ, shared by the global and the local softmax
-                 lambda_local:float=1.): # λ, weight of the local score
+                 lambda_local:float=1.): # λ ≥ 0, weight of the local score
     "GL-MCM: global MCM plus λ times the best local MCM over regions: (N,) scores, higher = more OOD."
+    lam = plain_number(lambda_local)
+    if lam is None or not 0 <= lam < math.inf: raise ValueError(f"lambda_local must be a non-negative, finite number, got {lambda_local!r}")
     E, T = _units(image_embeddings, text_embeddings)
     X = _local_units(local_embeddings, len(E), E.shape[1], E.dtype, E.device)
     tau, mcm = check_temperature(temperature), BASE_SCORES["mcm"]
-    return mcm(zero_shot_logits(E, T, tau)) + lambda_local * mcm(zero_shot_logits(X, T, tau)).amin(1)
+    return mcm(zero_shot_logits(E, T, tau)) + lam * mcm(zero_shot_logits(X, T, tau)).amin(1)
 
 # %% ../../nbs/22_baselines.ipynb
 PROMPT_POOLINGS = ("embedding", "logit", "score")  # prompt ensemble, hierarchical prompts, TAG

@@ -1,4 +1,5 @@
 """Cross-cutting tests of the evaluation, the experiments and the `evaluate` command."""
+import math
 import time
 import warnings
 from dataclasses import replace
@@ -592,3 +593,12 @@ def test_given_prompts_stand_for_the_deepest_level_only(cache):
         assert any(f"{name} ({name.removeprefix('proton[').removesuffix(']')} pools the prompt set {want}" in m for m in messages), (name, messages)
     with pytest.raises(ValueError, match="hier_mcm_l1 pools the prompt set 'L1'"):
         method_scores("hier_mcm_l1", cache, make_stream(cache, "semantic", seed=0), prompt_text_embeddings=P)
+
+
+@pytest.mark.parametrize("fraction", ["0.5", True, 1., math.nan])
+def test_a_held_out_fraction_that_is_no_number_in_0_1_is_named(cache, fraction):
+    "held_out_fraction='0.5' reached '<' (TypeError) in carve_held_out and a format code in evaluate ('Unknown format code 'g'')."
+    with pytest.raises(ValueError, match=r"held_out_fraction must be a number in \[0, 1\), got "):
+        carve_held_out(cache, fraction)
+    with pytest.raises(ValueError, match=r"held_out_fraction must be a number in \[0, 1\), got "):
+        evaluate(cache, ["knn_id"], held_out_fraction=fraction, n_permutations=1, progress=False)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..detector import class_indices
-from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, plain_number, zero_shot_logits, add_methods
+from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, plain_number, whole_in_range, zero_shot_logits, add_methods
 
 # %% ../../nbs/22_baselines.ipynb
 def _units(image_embeddings, text_embeddings):
@@ -147,9 +147,10 @@ def split_held_out(indices_or_mask, # (M,) boolean mask of ID samples, or (n,) i
     if len(idx) < 2: raise ValueError(f"need at least 2 ID samples to split, got {len(idx)}")
     if (idx < 0).any(): raise ValueError(f"indices must be non-negative, got {idx.min().item()}")
     if len(idx.unique()) != len(idx): raise ValueError("indices contain duplicates")
-    if not 0 < fraction < 1: raise ValueError(f"fraction must be in (0, 1), got {fraction}")
-    n_held = min(max(round(fraction * len(idx)), 1), len(idx) - 1)
-    order = torch.randperm(len(idx), generator=torch.Generator().manual_seed(seed))
+    f = plain_number(fraction)
+    if f is None or not 0 < f < 1: raise ValueError(f"fraction must be a number in (0, 1), got {fraction!r}")
+    n_held = min(max(round(f * len(idx)), 1), len(idx) - 1)
+    order = torch.randperm(len(idx), generator=torch.Generator().manual_seed(whole_in_range(seed, "seed", 0, 2**64 - 1)))
     return idx[order[:n_held]].sort().values, idx[order[n_held:]].sort().values
 
 # %% ../../nbs/22_baselines.ipynb
@@ -168,9 +169,8 @@ def fit_knn(id_embeddings, # (B, d) labelled held-out ID image embeddings; label
             k:int=KNN_K): # k, the neighbour whose distance is the score
     "A kNN-ID scorer over the L2-normalised held-out ID embeddings."
     bank = as_unit_rows(id_embeddings, dtype=compute_dtype(id_embeddings, name="held-out ID embeddings"), name="held-out ID embeddings")
-    if isinstance(k, bool) or int(k) != k or not 1 <= k <= len(bank):
-        raise ValueError(f"k must be an integer between 1 and the bank size {len(bank)}, got {k}")
-    return KNNScorer(bank, int(k))
+    if len(bank) == 0: raise ValueError("held-out ID embeddings hold no image: kNN-ID needs a bank of at least k")
+    return KNNScorer(bank, whole_in_range(k, "k", 1, len(bank)))
 
 # %% ../../nbs/22_baselines.ipynb
 def _knn_score(self:KNNScorer,
@@ -203,10 +203,12 @@ class MahalanobisScorer:
 # %% ../../nbs/22_baselines.ipynb
 def _class_labels(labels, n:int):
     "Validated (n,) non-negative integer class labels as a long tensor."
-    y = labels if isinstance(labels, Tensor) else torch.as_tensor(np.asarray(labels))
-    if y.shape != (n,): raise ValueError(f"id_labels must have shape ({n},), got {tuple(y.shape)}")
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"id_labels must be integer class indices, got dtype {y.dtype}")
+    if labels is None: raise ValueError("id_labels must be integer class indices, got None")
+    y = labels if isinstance(labels, Tensor) else np.asarray(labels)
+    if tuple(y.shape) != (n,): raise ValueError(f"id_labels must have shape ({n},), got {tuple(y.shape)}")
+    whole = y.dtype.kind in "iu" if isinstance(y, np.ndarray) else not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
+    if not whole: raise ValueError(f"id_labels must be integer class indices, got dtype {y.dtype}")
+    y = torch.as_tensor(y)
     if n and (y < 0).any(): raise ValueError(f"id_labels must be class indices >= 0 (OOD samples cannot be held-out ID), got {y.min().item()}")
     return y.long()
 
@@ -216,7 +218,8 @@ def fit_mahalanobis(id_embeddings, # (n, d) labelled held-out ID image embedding
     "A Mahalanobis-ID scorer: class means and a shared ridge-regularised covariance of the held-out ID split."
     E = as_unit_rows(id_embeddings, dtype=torch.float64, name="held-out ID embeddings")
     y = _class_labels(id_labels, len(E)).to(E.device)
-    if not 0 < ridge < math.inf: raise ValueError(f"ridge must be positive and finite, got {ridge}")
+    eps = plain_number(ridge)
+    if eps is None or not 0 < eps < math.inf: raise ValueError(f"ridge must be a positive, finite number, got {ridge!r}")
     classes, y = y.unique(return_inverse=True)
     if len(E) <= len(classes): raise ValueError(f"need more held-out samples than classes to estimate a covariance, got {len(E)} for {len(classes)} classes")
     means = E.new_zeros(len(classes), E.shape[1]).index_add_(0, y, E) / torch.bincount(y)[:, None]
@@ -225,7 +228,7 @@ def fit_mahalanobis(id_embeddings, # (n, d) labelled held-out ID image embedding
     if cov.trace() < 1e-12: raise ValueError("held-out ID embeddings have no within-class variance (every class is one repeated point)")
     scale = cov.trace() / E.shape[1]
     eye = torch.eye(E.shape[1], dtype=E.dtype, device=E.device)
-    L = torch.linalg.cholesky(cov + ridge * scale * eye)
+    L = torch.linalg.cholesky(cov + eps * scale * eye)
     return MahalanobisScorer(means, torch.linalg.solve_triangular(L, eye, upper=False), classes)
 
 def _mahalanobis_score(self:MahalanobisScorer,

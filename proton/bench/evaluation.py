@@ -31,7 +31,7 @@ from .experiments import EXPERIMENTS, experiment
 from ..deploy import check_writable, replace_atomically, same_file
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
-from ..scores import as_unit_rows, compute_dtype, add_methods, whole_in_range
+from ..scores import as_unit_rows, compute_dtype, add_methods, plain_number, whole_in_range
 from .streams import ORDERS, Stream, misroute, stream_permutations
 from .synth import PRESETS, SHIFTS, SyntheticWorld
 
@@ -172,13 +172,19 @@ class Split(NamedTuple):
     held_out:HeldOut|None # embeddings and labels of the held-out ID images; None without a split
     held_rows:np.ndarray # (n_held,) rows of the original cache that were held out
 
+def _share(fraction): # held_out_fraction, in [0, 1); None: 0
+    "`fraction` as a float, or a `ValueError` naming held_out_fraction unless it is a number in [0, 1) or None."
+    f = 0. if fraction is None else plain_number(fraction)
+    if f is None or not 0 <= f < 1: raise ValueError(f"held_out_fraction must be a number in [0, 1), got {fraction!r}")
+    return f
+
 def carve_held_out(cache:EmbeddingCache, # the full cache
                    fraction:float|None=HELD_OUT_FRACTION, # share of the ID images to hold out, in [0, 1); 0 or None: no split
                    seed:int=0): # seed of the split
     "Hold out a labelled share of the ID images for the privileged methods; the rest is what streams may use."
     check_cache(cache)
+    fraction = _share(fraction)
     if not fraction: return Split(cache, None, np.zeros(0, np.int64))
-    if not 0 < fraction < 1: raise ValueError(f"held_out_fraction must be in [0, 1), got {fraction}")
     held, _ = split_held_out(cache.shift == "id", fraction, seed)
     rows = held.numpy()
     keep = np.ones(len(cache), bool); keep[rows] = False
@@ -334,6 +340,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     n_permutations = whole_in_range(n_permutations, "n_permutations", 1)
     if fpr95_convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {fpr95_convention!r}: choose one of {FPR95_CONVENTIONS}")
     seed = whole_in_range(seed, "seed", 0, 2**32 - 1)  # a Python int: torch's generators take no numpy integer
+    held_out_fraction = _share(held_out_fraction)
     variants, shifts = _variants(methods, config), _shifts(shifts)
     check_cache(cache)
     fit = fit_split and cache.fit_labels is not None

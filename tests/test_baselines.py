@@ -374,3 +374,15 @@ def test_privileged_settings_are_refused_in_one_line_naming_them(call, msg):
     rng = np.random.default_rng(13)
     with pytest.raises(ValueError, match=re.escape(msg)):
         call(rng.normal(size=(12, 4)), np.repeat([0, 1, 2], 4))
+
+
+def test_prompt_and_patch_faults_name_what_is_wrong():
+    "The prompt ensemble blamed 'text embeddings' for prompts of the wrong dimension; a zero patch was named by its flattened row."
+    rng = np.random.default_rng(14)
+    E, T, X = rng.normal(size=(6, 4)), rng.normal(size=(3, 4)), rng.normal(size=(6, 5, 4))
+    for pool in PROMPT_POOLINGS:
+        with pytest.raises(ValueError, match="prompt text embeddings of class 0 have dimension 3, expected 4"):
+            prompt_mcm_score(E, rng.normal(size=(2, 3, 3)), .5, pool)
+    X[2, 3] = 0
+    with pytest.raises(ValueError, match=r"local embeddings of image 2, patch 3 have zero length"):
+        gl_mcm_score(E, X, T, .5)

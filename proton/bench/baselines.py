@@ -65,6 +65,9 @@ def _local_units(local_embeddings, n:int, d:int, dtype, device):
     X = as_tensor(local_embeddings, dtype=dtype, device=device, name="local embeddings")
     if X.ndim != 3 or X.shape[0] != n or X.shape[2] != d or X.shape[1] == 0:
         raise ValueError(f"local embeddings must have shape ({n}, L, {d}) with L >= 1, got {tuple(X.shape)}")
+    short = (torch.linalg.vector_norm(X, dim=-1) < MIN_NORM).nonzero().tolist()
+    if short: raise ValueError(f"local embeddings of image {short[0][0]}, patch {short[0][1]} have zero length or a length below {MIN_NORM:g} (MIN_NORM), "
+                               f"and cannot be L2-normalised" + (f" ({len(short) - 1} more patches too)" if len(short) > 1 else ""))
     return as_unit_rows(X.reshape(-1, d), name="local embeddings").reshape(X.shape)
 
 def gl_mcm_score(image_embeddings, # (N, d) global image embeddings
@@ -110,12 +113,16 @@ def check_prompt_classes(prompt_text_embeddings, # (P, C, d) array, or a list of
     if n != n_classes: raise ValueError(f"prompt_text_embeddings hold {n} classes, {holder} {n_classes}: "
                                         "give a (P, C, d) array, prompts first, or a list of C arrays (P_c, d)")
 
-def ensemble_text_embeddings(prompt_text_embeddings): # (P, C, d) array, or a list of C arrays (P_c, d)
-    "The prompt ensemble: each class's mean normalised prompt embedding, renormalised: (C, d)."
-    means = torch.stack([g.mean(0) for g in _prompt_groups(prompt_text_embeddings)])
+def _ensemble(groups:list): # C validated tensors (P_c, d), from `_prompt_groups`
+    "Each class's mean prompt embedding, renormalised: (C, d)."
+    means = torch.stack([g.mean(0) for g in groups])
     cancel = (means.norm(dim=1) < MIN_NORM).nonzero().flatten()
     if len(cancel): raise ValueError(f"the prompts of classes {cancel[:5].tolist()} cancel out: their mean has no direction")
     return as_unit_rows(means)
+
+def ensemble_text_embeddings(prompt_text_embeddings): # (P, C, d) array, or a list of C arrays (P_c, d)
+    "The prompt ensemble: each class's mean normalised prompt embedding, renormalised: (C, d)."
+    return _ensemble(_prompt_groups(prompt_text_embeddings))
 
 # %% ../../nbs/22_baselines.ipynb
 def prompt_mcm_score(image_embeddings, # (N, d) image embeddings
@@ -124,9 +131,12 @@ def prompt_mcm_score(image_embeddings, # (N, d) image embeddings
                      pool:str="embedding"): # where to pool: "embedding", "logit" or "score" (`PROMPT_POOLINGS`)
     "MCM with several prompts per class, pooled as a prompt ensemble, as hierarchical prompts or as TAG: (N,) scores."
     if pool not in PROMPT_POOLINGS: raise ValueError(f"unknown prompt pooling {pool!r}: choose one of {PROMPT_POOLINGS}")
-    if pool == "embedding": return static_score("mcm", image_embeddings, ensemble_text_embeddings(prompt_text_embeddings), temperature)
     E = as_unit_rows(image_embeddings, dtype=compute_dtype(image_embeddings, name="image embeddings"), name="image embeddings")
-    groups, tau, mcm = _prompt_groups(prompt_text_embeddings, E.dtype, E.device, E.shape[1]), check_temperature(temperature), BASE_SCORES["mcm"]
+    tau, mcm = check_temperature(temperature), BASE_SCORES["mcm"]
+    if pool == "embedding":  # the ensemble in the prompts' own dtype, then in the images'
+        T = as_unit_rows(_ensemble(_prompt_groups(prompt_text_embeddings, dim=E.shape[1])), dtype=E.dtype, device=E.device)
+        return mcm(zero_shot_logits(E, T, tau))
+    groups = _prompt_groups(prompt_text_embeddings, E.dtype, E.device, E.shape[1])
     if pool == "logit": return mcm(zero_shot_logits(E, torch.stack([g.mean(0) for g in groups]), tau))
     counts = [len(g) for g in groups]
     if len(set(counts)) > 1: raise ValueError(f"TAG pooling needs prompt sets: the same number of prompts per class, got {counts}")

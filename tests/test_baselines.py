@@ -1,6 +1,7 @@
 """The baselines against direct numpy computations, their special cases, and their refusals of missing inputs."""
 import inspect
 import math
+import re
 
 import numpy as np
 import pytest
@@ -99,7 +100,7 @@ def test_knn_near_neighbours_keep_their_digits():
 def test_knn_bad_k():
     _, bank, _, _ = data(0)
     for k in (0, 41, 2.5, True):
-        with pytest.raises(ValueError, match="k must be an integer between 1 and the bank size 40"):
+        with pytest.raises(ValueError, match="k must be an integer from 1 to 40"):
             fit_knn(bank, k)
 
 
@@ -325,5 +326,63 @@ def test_split_refuses_bad_input(bad, msg):
 
 @pytest.mark.parametrize("fraction", [0, 1, -.1, math.nan])
 def test_split_refuses_bad_fraction(fraction):
-    with pytest.raises(ValueError, match="fraction must be in"):
+    with pytest.raises(ValueError, match=r"fraction must be a number in \(0, 1\)"):
         split_held_out(np.arange(10), fraction)
+
+
+@pytest.mark.parametrize("name", list(PROMPT_BASELINES) + ["hier_mcm_l1"])
+def test_prompts_for_another_number_of_classes_are_refused(name):
+    "A (C, P, d) array, prompts and classes swapped, was read as P classes and scored against C text embeddings without a word."
+    rng = np.random.default_rng(11)
+    E, T = rng.normal(size=(6, 8)), rng.normal(size=(2, 8))
+    swapped = rng.normal(size=(2, 5, 8))  # (C, P, d)
+    with pytest.raises(ValueError, match=r"prompt_text_embeddings hold 5 classes, the text embeddings hold 2"):
+        baseline_scores(name, E, T, .5, prompt_text_embeddings=swapped)
+    with pytest.raises(ValueError, match=r"hold 3 classes, the text embeddings hold 2"):
+        baseline_scores(name, E, T, .5, prompt_text_embeddings=[g for g in rng.normal(size=(3, 4, 8))])
+    assert baseline_scores(name, E, T, .5, prompt_text_embeddings=swapped.transpose(1, 0, 2)).shape == (6,)
+
+
+@pytest.mark.parametrize("lam", [math.nan, math.inf, -math.inf, -.5, None, "1", True, np.ones(2)])
+def test_gl_mcm_refuses_a_lambda_that_is_no_non_negative_finite_number(lam):
+    "λ = NaN gave all-NaN scores, ∞ gave -∞ for every image, and None or '1' a raw TypeError."
+    rng = np.random.default_rng(12)
+    E, X, T = rng.normal(size=(6, 4)), rng.normal(size=(6, 5, 4)), rng.normal(size=(3, 4))
+    with pytest.raises(ValueError, match=r"lambda_local must be a non-negative, finite number, got "):
+        gl_mcm_score(E, X, T, .5, lambda_local=lam)
+    with pytest.raises(ValueError, match=r"lambda_local must be"):
+        baseline_scores("gl_mcm", E, T, .5, local_embeddings=X, lambda_local=lam)
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda B, y: fit_knn(B, None), "k must be an integer from 1 to 12, got None"),
+    (lambda B, y: fit_knn(B, math.nan), "k must be an integer from 1 to 12, got nan"),
+    (lambda B, y: fit_knn(B, math.inf), "k must be an integer from 1 to 12, got inf"),
+    (lambda B, y: fit_knn(B, "3"), "k must be an integer from 1 to 12, got '3'"),
+    (lambda B, y: fit_knn(B[:0], 1), "held-out ID embeddings hold no image"),
+    (lambda B, y: fit_mahalanobis(B, y, "0.01"), "ridge must be a positive, finite number, got '0.01'"),
+    (lambda B, y: fit_mahalanobis(B, y, None), "ridge must be a positive, finite number, got None"),
+    (lambda B, y: fit_mahalanobis(B, np.array(list("aaaabbbbcccc"))), "id_labels must be integer class indices, got dtype <U1"),
+    (lambda B, y: fit_mahalanobis(B, None), "id_labels must be integer class indices, got None"),
+    (lambda B, y: split_held_out(np.arange(10), "0.5"), "fraction must be a number in (0, 1), got '0.5'"),
+    (lambda B, y: split_held_out(np.arange(10), None), "fraction must be a number in (0, 1), got None"),
+    (lambda B, y: split_held_out(np.arange(10), .5, seed=1.5), "seed must be an integer from 0 to"),
+    (lambda B, y: split_held_out(np.arange(10), .5, seed=None), "seed must be an integer from 0 to"),
+])
+def test_privileged_settings_are_refused_in_one_line_naming_them(call, msg):
+    "None, NaN, ∞ or a string for k, ridge, id_labels, fraction or seed reached int(), '<' or torch: TypeError, OverflowError, RuntimeError or an unnamed message."
+    rng = np.random.default_rng(13)
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        call(rng.normal(size=(12, 4)), np.repeat([0, 1, 2], 4))
+
+
+def test_prompt_and_patch_faults_name_what_is_wrong():
+    "The prompt ensemble blamed 'text embeddings' for prompts of the wrong dimension; a zero patch was named by its flattened row."
+    rng = np.random.default_rng(14)
+    E, T, X = rng.normal(size=(6, 4)), rng.normal(size=(3, 4)), rng.normal(size=(6, 5, 4))
+    for pool in PROMPT_POOLINGS:
+        with pytest.raises(ValueError, match="prompt text embeddings of class 0 have dimension 3, expected 4"):
+            prompt_mcm_score(E, rng.normal(size=(2, 3, 3)), .5, pool)
+    X[2, 3] = 0
+    with pytest.raises(ValueError, match=r"local embeddings of image 2, patch 3 have zero length"):
+        gl_mcm_score(E, X, T, .5)

@@ -1,4 +1,5 @@
 """Cross-cutting tests of the evaluation, the experiments and the `evaluate` command."""
+import math
 import time
 import warnings
 from dataclasses import replace
@@ -568,3 +569,36 @@ def test_a_privileged_method_skipped_for_too_few_images_says_so_in_the_users_ter
     fitted = replace(cache, fit_embeddings=cache.image_embeddings[:4], fit_labels=np.maximum(cache.labels[:4], 0))
     _, messages = quiet_evaluate(fitted, ["mcm", "knn_id"], shifts="far", n_permutations=1)
     assert any("knn_id (the cache's fit split holds 4 images; kNN-ID needs at least k = 10)" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("method", ["hier_mcm", "proton[hier_mcm]", "prompt_ensemble_mcm"])
+def test_prompts_for_another_number_of_classes_are_refused(cache, method):
+    "Prompts of shape (C, P, d), read as P classes against the cache's C, gave AUROCs without a word."
+    P = noisy_views(cache.text_embeddings, 5, .5).numpy()  # (C, P, d): the axes swapped
+    with pytest.raises(ValueError, match=rf"prompt_text_embeddings hold 5 classes, the cache has {cache.n_classes}"):
+        evaluate(cache, [method, "mcm"], n_permutations=1, prompt_text_embeddings=P, progress=False)
+    with pytest.raises(ValueError, match="hold 5 classes, the cache has"):
+        method_scores(method, cache, make_stream(cache, "semantic", seed=0), prompt_text_embeddings=P)
+    df, _ = quiet_evaluate(cache, [method, "mcm"], n_permutations=1, prompt_text_embeddings=P.transpose(1, 0, 2))
+    assert set(df.method) == {method, "mcm"}
+
+
+def test_given_prompts_stand_for_the_deepest_level_only(cache):
+    "With prompt_text_embeddings=, hier_mcm_l1 and TAG pooled them too: hier_mcm_l1 equalled hier_mcm exactly, under another name."
+    P = noisy_views(cache.text_embeddings, 5, .5).numpy().transpose(1, 0, 2)  # (P, C, d)
+    names = ["hier_mcm", "prompt_ensemble_mcm", "hier_mcm_l1", "tag_mcm", "proton[hier_mcm_l1]"]
+    df, messages = quiet_evaluate(cache, names, n_permutations=1, prompt_text_embeddings=P)
+    assert set(df.method) == {"hier_mcm", "prompt_ensemble_mcm"}
+    for name, want in [("hier_mcm_l1", "'L1'"), ("tag_mcm", "'tag'"), ("proton[hier_mcm_l1]", "'L1'")]:
+        assert any(f"{name} ({name.removeprefix('proton[').removesuffix(']')} pools the prompt set {want}" in m for m in messages), (name, messages)
+    with pytest.raises(ValueError, match="hier_mcm_l1 pools the prompt set 'L1'"):
+        method_scores("hier_mcm_l1", cache, make_stream(cache, "semantic", seed=0), prompt_text_embeddings=P)
+
+
+@pytest.mark.parametrize("fraction", ["0.5", True, 1., math.nan])
+def test_a_held_out_fraction_that_is_no_number_in_0_1_is_named(cache, fraction):
+    "held_out_fraction='0.5' reached '<' (TypeError) in carve_held_out and a format code in evaluate ('Unknown format code 'g'')."
+    with pytest.raises(ValueError, match=r"held_out_fraction must be a number in \[0, 1\), got "):
+        carve_held_out(cache, fraction)
+    with pytest.raises(ValueError, match=r"held_out_fraction must be a number in \[0, 1\), got "):
+        evaluate(cache, ["knn_id"], held_out_fraction=fraction, n_permutations=1, progress=False)

@@ -4,7 +4,7 @@
 
 # %% auto 0
 __all__ = ['ROUTED_SCORES', 'NO_LOCAL', 'PROMPT_POOLINGS', 'NO_PROMPTS', 'KNN_K', 'MAHALANOBIS_RIDGE', 'ZERO_SHOT', 'BASELINES',
-           'PROMPT_SET_OF', 'STAND_IN_PROMPTS', 'static_score', 'routed_score', 'gl_mcm_score',
+           'PROMPT_SET_OF', 'STAND_IN_PROMPTS', 'static_score', 'routed_score', 'gl_mcm_score', 'check_prompt_classes',
            'ensemble_text_embeddings', 'prompt_mcm_score', 'split_held_out', 'KNNScorer', 'fit_knn',
            'MahalanobisScorer', 'fit_mahalanobis', 'Baseline', 'HeldOut', 'baseline_scores', 'prompt_set_for',
            'noisy_views', 'with_stand_ins']
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..detector import class_indices
-from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, zero_shot_logits, add_methods
+from ..scores import BASE_SCORES, MIN_NORM, as_tensor, as_unit_rows, check_temperature, compute_dtype, plain_number, whole_in_range, zero_shot_logits, add_methods
 
 # %% ../../nbs/22_baselines.ipynb
 def _units(image_embeddings, text_embeddings):
@@ -65,18 +65,23 @@ def _local_units(local_embeddings, n:int, d:int, dtype, device):
     X = as_tensor(local_embeddings, dtype=dtype, device=device, name="local embeddings")
     if X.ndim != 3 or X.shape[0] != n or X.shape[2] != d or X.shape[1] == 0:
         raise ValueError(f"local embeddings must have shape ({n}, L, {d}) with L >= 1, got {tuple(X.shape)}")
+    short = (torch.linalg.vector_norm(X, dim=-1) < MIN_NORM).nonzero().tolist()
+    if short: raise ValueError(f"local embeddings of image {short[0][0]}, patch {short[0][1]} have zero length or a length below {MIN_NORM:g} (MIN_NORM), "
+                               f"and cannot be L2-normalised" + (f" ({len(short) - 1} more patches too)" if len(short) > 1 else ""))
     return as_unit_rows(X.reshape(-1, d), name="local embeddings").reshape(X.shape)
 
 def gl_mcm_score(image_embeddings, # (N, d) global image embeddings
                  local_embeddings, # (N, L, d) local (patch) embeddings of the same images
                  text_embeddings, # (C, d) text embeddings of the ID class prompts
                  temperature:float=0.01, # τ, shared by the global and the local softmax
-                 lambda_local:float=1.): # λ, weight of the local score
+                 lambda_local:float=1.): # λ ≥ 0, weight of the local score
     "GL-MCM: global MCM plus λ times the best local MCM over regions: (N,) scores, higher = more OOD."
+    lam = plain_number(lambda_local)
+    if lam is None or not 0 <= lam < math.inf: raise ValueError(f"lambda_local must be a non-negative, finite number, got {lambda_local!r}")
     E, T = _units(image_embeddings, text_embeddings)
     X = _local_units(local_embeddings, len(E), E.shape[1], E.dtype, E.device)
     tau, mcm = check_temperature(temperature), BASE_SCORES["mcm"]
-    return mcm(zero_shot_logits(E, T, tau)) + lambda_local * mcm(zero_shot_logits(X, T, tau)).amin(1)
+    return mcm(zero_shot_logits(E, T, tau)) + lam * mcm(zero_shot_logits(X, T, tau)).amin(1)
 
 # %% ../../nbs/22_baselines.ipynb
 PROMPT_POOLINGS = ("embedding", "logit", "score")  # prompt ensemble, hierarchical prompts, TAG
@@ -100,12 +105,24 @@ def _prompt_groups(prompt_text_embeddings, dtype=None, device=None, dim:int|None
     dim = dim or groups[0].shape[1]
     return [as_unit_rows(g, dim=dim, name=f"prompt text embeddings of class {c}") for c, g in enumerate(groups)]
 
-def ensemble_text_embeddings(prompt_text_embeddings): # (P, C, d) array, or a list of C arrays (P_c, d)
-    "The prompt ensemble: each class's mean normalised prompt embedding, renormalised: (C, d)."
-    means = torch.stack([g.mean(0) for g in _prompt_groups(prompt_text_embeddings)])
+def check_prompt_classes(prompt_text_embeddings, # (P, C, d) array, or a list of C arrays (P_c, d)
+                         n_classes:int, # C, the number of ID classes the prompts must cover
+                         holder:str="the text embeddings hold"): # what holds the C classes, for the message
+    "Raise unless the prompts cover `n_classes` classes (a (C, P, d) array would be read as P classes)."
+    n = len(_prompt_groups(prompt_text_embeddings))
+    if n != n_classes: raise ValueError(f"prompt_text_embeddings hold {n} classes, {holder} {n_classes}: "
+                                        "give a (P, C, d) array, prompts first, or a list of C arrays (P_c, d)")
+
+def _ensemble(groups:list): # C validated tensors (P_c, d), from `_prompt_groups`
+    "Each class's mean prompt embedding, renormalised: (C, d)."
+    means = torch.stack([g.mean(0) for g in groups])
     cancel = (means.norm(dim=1) < MIN_NORM).nonzero().flatten()
     if len(cancel): raise ValueError(f"the prompts of classes {cancel[:5].tolist()} cancel out: their mean has no direction")
     return as_unit_rows(means)
+
+def ensemble_text_embeddings(prompt_text_embeddings): # (P, C, d) array, or a list of C arrays (P_c, d)
+    "The prompt ensemble: each class's mean normalised prompt embedding, renormalised: (C, d)."
+    return _ensemble(_prompt_groups(prompt_text_embeddings))
 
 # %% ../../nbs/22_baselines.ipynb
 def prompt_mcm_score(image_embeddings, # (N, d) image embeddings
@@ -114,9 +131,12 @@ def prompt_mcm_score(image_embeddings, # (N, d) image embeddings
                      pool:str="embedding"): # where to pool: "embedding", "logit" or "score" (`PROMPT_POOLINGS`)
     "MCM with several prompts per class, pooled as a prompt ensemble, as hierarchical prompts or as TAG: (N,) scores."
     if pool not in PROMPT_POOLINGS: raise ValueError(f"unknown prompt pooling {pool!r}: choose one of {PROMPT_POOLINGS}")
-    if pool == "embedding": return static_score("mcm", image_embeddings, ensemble_text_embeddings(prompt_text_embeddings), temperature)
     E = as_unit_rows(image_embeddings, dtype=compute_dtype(image_embeddings, name="image embeddings"), name="image embeddings")
-    groups, tau, mcm = _prompt_groups(prompt_text_embeddings, E.dtype, E.device, E.shape[1]), check_temperature(temperature), BASE_SCORES["mcm"]
+    tau, mcm = check_temperature(temperature), BASE_SCORES["mcm"]
+    if pool == "embedding":  # the ensemble in the prompts' own dtype, then in the images'
+        T = as_unit_rows(_ensemble(_prompt_groups(prompt_text_embeddings, dim=E.shape[1])), dtype=E.dtype, device=E.device)
+        return mcm(zero_shot_logits(E, T, tau))
+    groups = _prompt_groups(prompt_text_embeddings, E.dtype, E.device, E.shape[1])
     if pool == "logit": return mcm(zero_shot_logits(E, torch.stack([g.mean(0) for g in groups]), tau))
     counts = [len(g) for g in groups]
     if len(set(counts)) > 1: raise ValueError(f"TAG pooling needs prompt sets: the same number of prompts per class, got {counts}")
@@ -137,9 +157,10 @@ def split_held_out(indices_or_mask, # (M,) boolean mask of ID samples, or (n,) i
     if len(idx) < 2: raise ValueError(f"need at least 2 ID samples to split, got {len(idx)}")
     if (idx < 0).any(): raise ValueError(f"indices must be non-negative, got {idx.min().item()}")
     if len(idx.unique()) != len(idx): raise ValueError("indices contain duplicates")
-    if not 0 < fraction < 1: raise ValueError(f"fraction must be in (0, 1), got {fraction}")
-    n_held = min(max(round(fraction * len(idx)), 1), len(idx) - 1)
-    order = torch.randperm(len(idx), generator=torch.Generator().manual_seed(seed))
+    f = plain_number(fraction)
+    if f is None or not 0 < f < 1: raise ValueError(f"fraction must be a number in (0, 1), got {fraction!r}")
+    n_held = min(max(round(f * len(idx)), 1), len(idx) - 1)
+    order = torch.randperm(len(idx), generator=torch.Generator().manual_seed(whole_in_range(seed, "seed", 0, 2**64 - 1)))
     return idx[order[:n_held]].sort().values, idx[order[n_held:]].sort().values
 
 # %% ../../nbs/22_baselines.ipynb
@@ -158,9 +179,8 @@ def fit_knn(id_embeddings, # (B, d) labelled held-out ID image embeddings; label
             k:int=KNN_K): # k, the neighbour whose distance is the score
     "A kNN-ID scorer over the L2-normalised held-out ID embeddings."
     bank = as_unit_rows(id_embeddings, dtype=compute_dtype(id_embeddings, name="held-out ID embeddings"), name="held-out ID embeddings")
-    if isinstance(k, bool) or int(k) != k or not 1 <= k <= len(bank):
-        raise ValueError(f"k must be an integer between 1 and the bank size {len(bank)}, got {k}")
-    return KNNScorer(bank, int(k))
+    if len(bank) == 0: raise ValueError("held-out ID embeddings hold no image: kNN-ID needs a bank of at least k")
+    return KNNScorer(bank, whole_in_range(k, "k", 1, len(bank)))
 
 # %% ../../nbs/22_baselines.ipynb
 def _knn_score(self:KNNScorer,
@@ -193,10 +213,12 @@ class MahalanobisScorer:
 # %% ../../nbs/22_baselines.ipynb
 def _class_labels(labels, n:int):
     "Validated (n,) non-negative integer class labels as a long tensor."
-    y = labels if isinstance(labels, Tensor) else torch.as_tensor(np.asarray(labels))
-    if y.shape != (n,): raise ValueError(f"id_labels must have shape ({n},), got {tuple(y.shape)}")
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"id_labels must be integer class indices, got dtype {y.dtype}")
+    if labels is None: raise ValueError("id_labels must be integer class indices, got None")
+    y = labels if isinstance(labels, Tensor) else np.asarray(labels)
+    if tuple(y.shape) != (n,): raise ValueError(f"id_labels must have shape ({n},), got {tuple(y.shape)}")
+    whole = y.dtype.kind in "iu" if isinstance(y, np.ndarray) else not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
+    if not whole: raise ValueError(f"id_labels must be integer class indices, got dtype {y.dtype}")
+    y = torch.as_tensor(y)
     if n and (y < 0).any(): raise ValueError(f"id_labels must be class indices >= 0 (OOD samples cannot be held-out ID), got {y.min().item()}")
     return y.long()
 
@@ -206,7 +228,8 @@ def fit_mahalanobis(id_embeddings, # (n, d) labelled held-out ID image embedding
     "A Mahalanobis-ID scorer: class means and a shared ridge-regularised covariance of the held-out ID split."
     E = as_unit_rows(id_embeddings, dtype=torch.float64, name="held-out ID embeddings")
     y = _class_labels(id_labels, len(E)).to(E.device)
-    if not 0 < ridge < math.inf: raise ValueError(f"ridge must be positive and finite, got {ridge}")
+    eps = plain_number(ridge)
+    if eps is None or not 0 < eps < math.inf: raise ValueError(f"ridge must be a positive, finite number, got {ridge!r}")
     classes, y = y.unique(return_inverse=True)
     if len(E) <= len(classes): raise ValueError(f"need more held-out samples than classes to estimate a covariance, got {len(E)} for {len(classes)} classes")
     means = E.new_zeros(len(classes), E.shape[1]).index_add_(0, y, E) / torch.bincount(y)[:, None]
@@ -215,7 +238,7 @@ def fit_mahalanobis(id_embeddings, # (n, d) labelled held-out ID image embedding
     if cov.trace() < 1e-12: raise ValueError("held-out ID embeddings have no within-class variance (every class is one repeated point)")
     scale = cov.trace() / E.shape[1]
     eye = torch.eye(E.shape[1], dtype=E.dtype, device=E.device)
-    L = torch.linalg.cholesky(cov + ridge * scale * eye)
+    L = torch.linalg.cholesky(cov + eps * scale * eye)
     return MahalanobisScorer(means, torch.linalg.solve_triangular(L, eye, upper=False), classes)
 
 def _mahalanobis_score(self:MahalanobisScorer,
@@ -289,7 +312,9 @@ def baseline_scores(name:str, # a name in `BASELINES`
         if given[need] is None: raise ValueError(f"{name} needs {_MISSING[need]}")
     if name in BASE_SCORES: return static_score(name, image_embeddings, text_embeddings, temperature)
     if name == "gl_mcm": return gl_mcm_score(image_embeddings, local_embeddings, text_embeddings, temperature, lambda_local)
-    if name in _POOL: return prompt_mcm_score(image_embeddings, prompt_text_embeddings, temperature, _POOL[name])
+    if name in _POOL:
+        if text_embeddings is not None: check_prompt_classes(prompt_text_embeddings, len(as_unit_rows(text_embeddings, name="text embeddings")))
+        return prompt_mcm_score(image_embeddings, prompt_text_embeddings, temperature, _POOL[name])
     if not isinstance(held_out, tuple) or len(held_out) != 2:
         raise ValueError(f"held_out must be HeldOut(embeddings, labels), got {type(held_out).__name__}")
     held_out = HeldOut(*held_out)

@@ -24,14 +24,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, KNN_K, baseline_scores, prompt_set_for,
-                                    routed_score, split_held_out, with_stand_ins)
+from .baselines import (BASELINES, NO_LOCAL, NO_PROMPTS, PROMPT_SET_OF, ZERO_SHOT, HeldOut, KNN_K, baseline_scores,
+                                    check_prompt_classes, prompt_set_for, routed_score, split_held_out, with_stand_ins)
 from .cache import EmbeddingCache, check_cache
 from .experiments import EXPERIMENTS, experiment
 from ..deploy import check_writable, replace_atomically, same_file
 from ..detector import Proton, ProtonConfig
 from ..metrics import FPR95_CONVENTIONS, ood_metrics
-from ..scores import as_unit_rows, compute_dtype, add_methods, whole_in_range
+from ..scores import as_unit_rows, compute_dtype, add_methods, plain_number, whole_in_range
 from .streams import ORDERS, Stream, misroute, stream_permutations
 from .synth import PRESETS, SHIFTS, SyntheticWorld
 
@@ -82,12 +82,13 @@ class _Prepared:
     def __init__(self,
                  cache:EmbeddingCache, # the images the streams draw from
                  held_out:HeldOut|None=None, # labelled held-out ID split, for the privileged methods
-                 prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
+                 prompt_text_embeddings=None, # (P, C, d) several prompts per class, the deepest level: for the prompt ensemble and hier_mcm
                  routed=None): # (N,) class each image is routed to (see `misroute`); None: its zero-shot class
         self.cache, self.held_out, self.prompts, self.routed = check_cache(cache), held_out, prompt_text_embeddings, routed
         dtype = compute_dtype(cache.text_embeddings, name="text embeddings")
         self.E = as_unit_rows(cache.image_embeddings, dtype=dtype, name="image embeddings")
         self.T = as_unit_rows(cache.text_embeddings, dtype=dtype, name="text embeddings")
+        if prompt_text_embeddings is not None: check_prompt_classes(prompt_text_embeddings, len(self.T), "the cache has")
         self._scores = {}
 
     def scores(self, name:str, # a name in `BASELINES`
@@ -96,7 +97,10 @@ class _Prepared:
         c, prompts = self.cache, self.prompts
         t = c.temperature if temperature is None else temperature
         if (name, t) not in self._scores:
-            if prompts is None and name in PROMPT_SET_OF: prompts = c.prompt_group(prompt_set_for(name, c.prompt_set_names))
+            if name in PROMPT_SET_OF and prompts is None: prompts = c.prompt_group(prompt_set_for(name, c.prompt_set_names))
+            elif name in PROMPT_SET_OF and PROMPT_SET_OF[name] != "deepest":
+                raise ValueError(f"{name} pools the prompt set {PROMPT_SET_OF[name]!r}, and prompt_text_embeddings stand for the deepest level "
+                                 "of a hierarchy; give none to pool the cache's prompt sets")
             if self.routed is not None and not BASELINES[name].privileged:
                 self._scores[name, t] = routed_score(name, self.E, self.T, t, self.routed)
             else: self._scores[name, t] = baseline_scores(name, self.E, self.T, t, local_embeddings=c.local_embeddings,
@@ -151,7 +155,7 @@ def method_scores(method:str, # a name in `METHODS`
                   config:ProtonConfig|None=None, # PROTON's hyperparameters (τ: the cache's unless set); None: the paper's
                   held_out:HeldOut|None=None, # labelled held-out ID split, for kNN-ID and Mahalanobis-ID
                   *,
-                  prompt_text_embeddings=None): # (P, C, d) several prompts per class, for the prompt baselines
+                  prompt_text_embeddings=None): # (P, C, d) several prompts per class, the deepest level: for the prompt ensemble and hier_mcm
     "Scores of one method on one stream, in stream order: (n,) float64 array, higher = more OOD."
     m = _method(method)
     if config is not None and not m.online: raise ValueError(f"config applies to PROTON methods only, not to {method!r}")
@@ -168,13 +172,19 @@ class Split(NamedTuple):
     held_out:HeldOut|None # embeddings and labels of the held-out ID images; None without a split
     held_rows:np.ndarray # (n_held,) rows of the original cache that were held out
 
+def _share(fraction): # held_out_fraction, in [0, 1); None: 0
+    "`fraction` as a float, or a `ValueError` naming held_out_fraction unless it is a number in [0, 1) or None."
+    f = 0. if fraction is None else plain_number(fraction)
+    if f is None or not 0 <= f < 1: raise ValueError(f"held_out_fraction must be a number in [0, 1), got {fraction!r}")
+    return f
+
 def carve_held_out(cache:EmbeddingCache, # the full cache
                    fraction:float|None=HELD_OUT_FRACTION, # share of the ID images to hold out, in [0, 1); 0 or None: no split
                    seed:int=0): # seed of the split
     "Hold out a labelled share of the ID images for the privileged methods; the rest is what streams may use."
     check_cache(cache)
+    fraction = _share(fraction)
     if not fraction: return Split(cache, None, np.zeros(0, np.int64))
-    if not 0 < fraction < 1: raise ValueError(f"held_out_fraction must be in [0, 1), got {fraction}")
     held, _ = split_held_out(cache.shift == "id", fraction, seed)
     rows = held.numpy()
     keep = np.ones(len(cache), bool); keep[rows] = False
@@ -318,7 +328,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
              fit_split:bool=PAPER_PROTOCOL.fit_split, # fit privileged methods on the cache's fit split, when it has one
              held_out_fraction:float|None=PAPER_PROTOCOL.held_out_fraction, # else: ID share held out when a privileged method runs; 0: none
              fpr95_convention:str=PAPER_PROTOCOL.fpr95_convention, # how FPR95 is computed, one of `FPR95_CONVENTIONS`
-             prompt_text_embeddings=None, # (P, C, d) several prompts per class, for the prompt baselines
+             prompt_text_embeddings=None, # (P, C, d) several prompts per class, the deepest level: for the prompt ensemble and hier_mcm
              misrouted:float=0., # share of the images routed to a wrong class (see `misroute`); 0: none
              warmup:int=50, # leading ID images, for order="id_first"
              progress:bool=True, # show a tqdm bar
@@ -330,6 +340,7 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
     n_permutations = whole_in_range(n_permutations, "n_permutations", 1)
     if fpr95_convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {fpr95_convention!r}: choose one of {FPR95_CONVENTIONS}")
     seed = whole_in_range(seed, "seed", 0, 2**32 - 1)  # a Python int: torch's generators take no numpy integer
+    held_out_fraction = _share(held_out_fraction)
     variants, shifts = _variants(methods, config), _shifts(shifts)
     check_cache(cache)
     fit = fit_split and cache.fit_labels is not None

@@ -113,14 +113,18 @@ def test_a_domain_without_one_shift_gets_its_tables_with_that_shift_left_empty(m
     cache = full.subset(np.flatnonzero(np.array(full.shift) != missing))
     tables, raw, notes = paper_results({"ophthalmology": cache, "radiology": cache}, n_permutations=1, progress=False)
     covariate_only = ("table1b", "table3b", "table3c", "table4a", "table4b")  # Table 1(b), 3(b, c) and 4 are about the covariate shift
-    assert sorted(tables) == sorted({"table2", "table1a", "table1b", "table3a", "table3b", "table3c", "table4a", "table4b"}
-                                    - ({"table3b", "table3c"} if missing == "covariate" else set()))  # no covariate: no sensitivity sweep
+    assert sorted(tables) == sorted({"table2", "table1a", "table1b", "table3a", "table3b", "table3c", "var_ref", "table4a", "table4b", "triage"}
+                                    - ({"table3b", "table3c", "var_ref"} if missing == "covariate" else set()))  # no covariate: no sensitivity sweep
     for name, t in tables.items():
         ours = t.xs("ours", axis=1, level=1)
         empty = [c for c in ours.columns if ours[c].isna().all()]
         assert sorted(empty) == sorted(c for c in ours.columns if missing in c or (missing == "covariate" and name in covariate_only)), (name, empty)
     assert f"no '{missing}' images" in notes["table1a"]
-    if missing == "covariate": assert notes["sensitivity (ophthalmology)"].startswith("could not be made") and raw["sensitivity"] == {}
+    if missing == "covariate":  # no sweep: each table and figure of it says why, as one not made
+        assert raw["sensitivity"] == {} and not any(k.startswith("sensitivity") for k in notes), notes
+        for name in ("table3b", "table3c", "var_ref", "figure3b"):
+            assert notes[name].startswith("could not be made: the sensitivity sweep on ophthalmology could not run: "), (name, notes[name])
+        assert "radiology" in notes["figure3b"], notes["figure3b"]
     else: assert figure3b(raw["sensitivity"], tmp_path / "b.png").is_file()
     assert figure3a({"ophthalmology": cache}, tmp_path / "a.png").is_file()
 
@@ -452,3 +456,54 @@ def test_a_source_date_epoch_out_of_range_is_a_one_line_error_naming_it(tmp_path
     assert main(["reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "r"), "--model", MODEL, "--no-progress", "--device", "cpu"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("proton-ood reproduce: error: ") and "SOURCE_DATE_EPOCH=99999999999999999999 is out of range" in err and "\n" not in err, err
+
+
+def test_a_second_run_into_the_same_out_moves_the_first_runs_report_aside(report, tmp_path):
+    "A second run into the same --out (one domain gone) left the first run's tables and figures beside a report.md and metadata.json that called them not made."
+    import shutil
+    from proton.cli import main
+    root = report[0]
+    shutil.copytree(root / "report", tmp_path / "report")
+    shutil.copytree(root / "data" / "radiology", tmp_path / "data" / "radiology")  # ophthalmology's folder has gone missing
+    first = {p.relative_to(tmp_path / "report").as_posix(): p.read_bytes() for p in (tmp_path / "report").rglob("*") if p.is_file() and "caches" not in p.parts}
+    assert main(["reproduce", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "report"), "--model", MODEL,
+                 "--permutations", "1", "--no-progress", "--device", "cpu"]) == 0
+    out, earlier = tmp_path / "report", tmp_path / "report" / "earlier_runs" / "1"
+    assert {k: (earlier / k).read_bytes() for k in first} == first  # the first run's report, tables and figures, whole
+    assert not (out / "tables" / "table2.csv").exists() and (out / "tables" / "table1b.csv").is_file()
+    md = json.loads((out / "metadata.json").read_text())
+    assert md["earlier_run"] == "earlier_runs/1" and "table2" in md["not_made"] and list(md["domains"]) == ["radiology"]
+    assert "earlier_runs/1" in (out / "report.md").read_text()
+
+
+def test_the_sigma_sweep_and_the_triage_stand_beside_the_papers(simulated_tables):
+    "The paper's σ²₀ range of mean AUROC and its triage macro-F1 were neither reproduced nor named as left out."
+    from proton.bench.experiments import PAPER
+    from proton.models.reproduce import CAPTIONS
+    t = simulated_tables[1]
+    v = t["var_ref"]
+    assert v.loc["lowest", ("mean AUROC", PAPER)] == 69.8 and v.loc["highest", ("mean AUROC", PAPER)] == 71.2
+    assert 0 < v.loc["lowest", ("mean AUROC", "ours")] <= v.loc["highest", ("mean AUROC", "ours")] <= 100
+    tri = t["triage"]
+    assert set(tri.index) == {"logistic", "tree"} and (tri[("macro-F1", PAPER)] == 70.0).all()
+    assert tri[("macro-F1", "ours")].between(0, 100).all()
+    assert "var_ref" in CAPTIONS and "triage" in CAPTIONS
+
+
+def test_table4a_has_the_papers_delta_column(simulated_tables):
+    "Table 4(a) lacked the paper's Δ column (+19.7 … +23.9)."
+    from proton.bench.experiments import PAPER
+    a = simulated_tables[1]["table4a"]
+    assert a.loc["max_logit", ("Δ", PAPER)] == 19.7 and a.loc["mcm", ("Δ", PAPER)] == 23.9
+    ours = a.xs("ours", axis=1, level=1)
+    assert np.allclose(ours["Δ"], (ours["+PROTON"] - ours["base"]).round(1), equal_nan=True)
+
+
+def test_every_number_of_the_tables_has_one_decimal(report, simulated_tables):
+    "Table 1(b)'s Δ was written as 26.099999999999994: every cell is rounded to one decimal, as the paper writes them."
+    frames = list(simulated_tables[1].values())
+    frames += [pd.read_csv(p, header=[0, 1], index_col=0) for p in sorted((report[0] / "report" / "tables").glob("*.csv"))]
+    for t in frames:
+        values = t.to_numpy(dtype=float)
+        ok = np.isnan(values) | (values == np.round(values, 1))
+        assert ok.all(), t[~ok.all(axis=1)]

@@ -129,10 +129,13 @@ def _base_scores(self:Proton,
                  base, # base scores computed elsewhere: (n,), or a number for one image
                  n:int): # images
     "`base` as (n,) scores in the detector's dtype and device, or a `ValueError` naming what it got."
-    base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
-    if base.ndim == 0: base = base.reshape(1)  # one image's score, as a number
-    if base.shape != (n,): raise ValueError(f"base scores must have shape ({n},), got {tuple(base.shape)}")  # a (2, 2) array is no 4 scores
-    return base
+    t = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores", check_finite=False)
+    if not torch.isfinite(t).all():  # NaN or Inf given (named by `as_tensor`), or values the detector's dtype cannot hold
+        big = float(as_tensor(base, name="base scores").abs().max())
+        raise ValueError(f"base scores must lie within ±{torch.finfo(self.dtype).max:.2g}, the range of {self.dtype} the detector computes in; got one of magnitude {big:.3g}")
+    if t.ndim == 0: t = t.reshape(1)  # one image's score, as a number
+    if t.shape != (n,): raise ValueError(f"base scores must have shape ({n},), got {tuple(t.shape)}")  # a (2, 2) array is no 4 scores
+    return t
 add_methods(Proton, _classify=_classify, _base_scores=_base_scores)
 
 def class_indices(values, # classes, one per image: an integer array, tensor or list

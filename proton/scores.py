@@ -182,7 +182,10 @@ def classify(logits:Tensor, # (N, C) zero-shot logits
         raise ValueError(f"base score must return a torch tensor of shape ({len(logits)},), got {type(base).__module__}.{type(base).__name__}")
     if base.shape != (len(logits),): raise ValueError(f"base score must return a tensor of shape ({len(logits)},), got {tuple(base.shape)}")
     if not torch.isfinite(base).all(): raise ValueError("base score returned NaN or Inf")
-    return (base.to(logits.dtype), *top_softmax(logits))
+    out = base.to(logits.dtype)
+    if not torch.isfinite(out).all():  # finite in a wider dtype (a float64 score of a float32 detector), infinite in the logits'
+        raise ValueError(f"base score returned values beyond ±{torch.finfo(logits.dtype).max:.2g}, the range of {logits.dtype} the detector computes in; got one of magnitude {float(base.abs().max()):.3g}")
+    return (out, *top_softmax(logits))
 
 # %% ../nbs/10_scores.ipynb
 def add_methods(cls:type, # the class that gets the methods

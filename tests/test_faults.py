@@ -88,6 +88,22 @@ def test_a_base_score_too_large_for_the_running_variance_is_refused_and_state_ke
     assert same_state(snapshot(det), before)
 
 
+@pytest.mark.parametrize("n", [1, 10, 80])  # one image, the step path, the engine
+@pytest.mark.parametrize("how", ["callable", "base="])
+def test_a_base_score_past_float32s_range_is_refused_on_a_float32_detector_and_state_kept(n, how):
+    "A float64 score of -1e39, finite where it was checked, became -inf in float32: -inf scores, then NaN moments (one image: a RuntimeError; base=: 'NaN or Inf')."
+    scale = [1.]
+    det = Proton(T.astype(np.float32), ProtonConfig(bank_size=10, k_min=2, temperature=0.2, base_score=lambda logits: -logits.amax(-1).double() * scale[0]))
+    det.score(E[:100])
+    before = snapshot(det)
+    with pytest.raises(ValueError, match=r"^base scores? (returned values|must lie) (beyond|within) ±3\.4e\+38, the range of torch\.float32"):
+        if how == "callable": scale[0] = 1e40; det.score(E[100:100 + n])
+        else: det.score(E[100:100 + n], base=np.r_[np.zeros(n - 1), -1e39])
+    assert same_state(snapshot(det), before)
+    det64 = Proton(T, ProtonConfig(bank_size=10, k_min=2, temperature=0.2), dtype=torch.float64)
+    assert torch.isfinite(det64.score(E[:n], base=np.r_[np.zeros(n - 1), -1e39])).all()  # float64 holds it
+
+
 @pytest.mark.parametrize("n", [10, 80])  # the step path, the engine
 def test_base_scores_at_the_bound_keep_the_running_variance_finite(n):
     from proton.fusion import MAX_BASE

@@ -9,6 +9,7 @@ __all__ = ['MAX_BANK', 'MAX_WARMUP', 'DEFAULT_TEMPERATURE', 'STATE_FORMAT', 'STA
 # %% ../nbs/14_detector.ipynb
 import copy
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, asdict, replace
 from typing import Callable, NamedTuple
@@ -293,10 +294,12 @@ add_methods(Proton, _set_var_ref=_set_var_ref, _learn_var_ref=_learn_var_ref, _s
 STATE_FORMAT = "proton-state-2"  # the prototypes are saved too: a restored detector continues bit for bit
 STATE_KEYS = ("format", "config", "text_embeddings", "bank", "counts", "prototypes", "welford", "var_ref")
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # the memory address in a default repr (`<mod.Margin object at 0x7f…>`): another in every process
+
 def _config_dict(config:ProtonConfig, temperature:float):
-    "The configuration as plain values, with the τ actually in use."
+    "The configuration as plain values, with the τ actually in use; a callable base score by its name, the same in every process."
     d = asdict(config) | dict(temperature=temperature)
-    if callable(d["base_score"]): d["base_score"] = "callable:" + getattr(d["base_score"], "__qualname__", repr(d["base_score"]))
+    if callable(d["base_score"]): d["base_score"] = "callable:" + _ADDRESS.sub("", getattr(d["base_score"], "__qualname__", repr(d["base_score"])))
     return d
 
 def _state_dict(self:Proton):
@@ -365,6 +368,7 @@ def _check_state(self:Proton, sd):
     mine = _config_dict(self.config, self.temperature)
     _state_structure(sd, mine)
     saved = {"warmup": 0} | sd["config"]
+    if isinstance(saved["base_score"], str): saved["base_score"] = _ADDRESS.sub("", saved["base_score"])  # a state saved while the address was kept
     diff = [f"{k}={saved[k]!r} (here {mine[k]!r})" for k in mine if saved[k] != mine[k]]
     if diff: raise ValueError(f"state was saved with a different configuration: {', '.join(diff)}")
     (C, M, d), like = self.bank.entries.shape, self.bank.entries

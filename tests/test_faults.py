@@ -640,6 +640,44 @@ def test_a_callable_base_score_for_a_state_saved_with_a_named_one_is_refused(tmp
     assert load_detector(tmp_path / "det.pt").config.base_score == "mcm"
 
 
+CALLABLES = """
+import functools
+class Margin:
+    "Minus the gap between the two largest logits."
+    def __call__(self, logits):
+        top2 = logits.topk(2, -1).values
+        return top2[..., 1] - top2[..., 0]
+def scaled_mcm(logits, k): return -k * logits.softmax(-1).amax(-1)
+def plain(logits): return -logits.amax(-1)
+margin, half = Margin(), functools.partial(scaled_mcm, k=0.5)
+"""
+
+SAVE_OR_LOAD = """
+import sys, numpy as np, torch
+import callables
+from proton import Proton, ProtonConfig
+T = np.eye(3, dtype=np.float32); E = np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32)
+for name in ("margin", "half", "plain"):
+    path, f = f"{sys.argv[2]}/{name}.pt", getattr(callables, name)
+    if sys.argv[1] == "save":
+        det = Proton(T, ProtonConfig(base_score=f)); det.score(E); torch.save(det.state_dict(), path)
+    else: print(name, Proton.from_state_dict(torch.load(path, weights_only=True), base_score=f).welford.n)
+"""
+
+
+def test_a_state_saved_with_a_callable_object_or_a_partial_restores_in_another_process(tmp_path):
+    "A callable object or a partial was recorded by its repr, which holds a memory address: no other process could match it, and the restore was refused."
+    import subprocess
+    (tmp_path / "callables.py").write_text(CALLABLES); (tmp_path / "run.py").write_text(SAVE_OR_LOAD)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    run = lambda step: subprocess.run([sys.executable, str(tmp_path / "run.py"), step, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert run("save").returncode == 0
+    load = run("load")
+    assert load.stdout.splitlines() == ["margin 20", "half 20", "plain 20"], load.stderr
+    names = [torch.load(tmp_path / f"{n}.pt", weights_only=True)["config"]["base_score"] for n in ("margin", "half", "plain")]
+    assert names[2] == "callable:plain" and not any(re.search("0x[0-9a-f]", n) for n in names), names  # a function is named as before
+
+
 def test_a_long_double_beyond_float64_is_named_too_large_not_nan():
     "numpy's long double holds 1e4000; read as float64 it is Inf, and the error said NaN or Inf where the input holds neither."
     x = np.full((1, T.shape[1]), np.longdouble("1e4000"))

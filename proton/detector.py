@@ -115,7 +115,11 @@ def _classify(self:Proton,
               routed:Tensor|None=None): # (N,) class each image is routed to upstream, checked; None: the zero-shot class
     "The stateless quantities of each image: (base, confidence, predicted), the base score checked."
     logits = zero_shot_logits(X, self.text, self.temperature)
-    if norms is not None: logits /= norms[:, None]
+    if norms is not None:
+        logits /= norms[:, None]
+        if not (ok := torch.isfinite(logits).all(1)).all():  # cosine × length / τ overflowed before the length was divided out; unit rows cannot (`check_temperature`)
+            raise ValueError(f"temperature {self.temperature:g} is too small for image embeddings of length up to {float(norms[~ok].max()):.4g}: their logits, cosine × length / τ, "
+                             f"overflow {self.dtype} before the length is divided out; L2-normalise the embeddings or use a larger temperature")
     if base is None: out = classify(logits, self.base_fn)
     else:
         base = self._base_scores(base, len(X))

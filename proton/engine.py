@@ -326,7 +326,9 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     slack = 4 * (sum(text.shape) + 4) * float(np.finfo(text.dtype).eps) / min(temperature, 1)  # twice how far rounding can move a log-confidence or a logit gap
     near = abs(math.log(confidence / config.gamma)) <= slack or passes_gate(confidence, config.gamma) and w.max() >= math.exp(-slack)  # the gate, or a gated image's class, in doubt
     if near or not isinstance(base, Tensor) or base.shape != (1,) or not abs(float(base)) <= min(MAX_BASE / 2, float(np.finfo(text.dtype).max)):  # NaN fails the last; a float64 score past float32's range is refused by `classify`
-        base, confidence, k = classify(zero_shot_logits(row, views.tensors[0], temperature) / n[:, None], base_fn)  # the tensor paths' own numbers; a bad base score raises here
+        lg = zero_shot_logits(row, views.tensors[0], temperature) / n[:, None]  # the tensor paths' own numbers
+        if not torch.isfinite(lg).all(): return None  # τ too small for the row's length: the general path names both
+        base, confidence, k = classify(lg, base_fn)  # a bad base score raises here
     base, k = float(base), int(k)
     if abs(base) > MAX_BASE: return None  # the general path raises
     welford = Welford(welford.n, welford.mean, welford.m2)

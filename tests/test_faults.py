@@ -104,6 +104,22 @@ def test_a_base_score_past_float32s_range_is_refused_on_a_float32_detector_and_s
     assert torch.isfinite(det64.score(E[:n], base=np.r_[np.zeros(n - 1), -1e39])).all()  # float64 holds it
 
 
+@pytest.mark.parametrize("path", ["one image", "(1, d) parts", "steps", "engine"])
+@pytest.mark.parametrize("base_score", ["mcm", "entropy"])
+def test_a_tau_too_small_for_the_embeddings_length_is_named_and_state_kept(path, base_score):
+    "At τ = 1e-37, long embeddings' logits (cosine × length / τ) overflowed float32 before the length was divided out: 'base score returned NaN or Inf' (mcm) or a NaN confidence that never passes the gate (entropy)."
+    cfg = ProtonConfig(bank_size=10, k_min=2, temperature=1e-37, base_score=base_score)
+    X = np.tile(np.array([[100., 10.], [20., 100.]], np.float32), (40, 1))
+    run = {"one image": lambda d: d.score(X[0]), "(1, d) parts": lambda d: d.score(X[:1], return_parts=True),
+           "steps": lambda d: d.score(X[:2]), "engine": lambda d: d.score(X)}[path]
+    det = Proton(np.eye(2, dtype=np.float32), cfg)
+    det.score(X[:2] / np.linalg.norm(X[:2], axis=1, keepdims=True))  # unit length: the same directions score
+    before = snapshot(det)
+    with pytest.raises(ValueError, match=r"^temperature 1e-37 is too small for image embeddings of length up to 10[0-9.]+: their logits, cosine × length / τ, overflow torch.float32"):
+        run(det)
+    assert same_state(snapshot(det), before)
+
+
 @pytest.mark.parametrize("n", [10, 80])  # the step path, the engine
 def test_base_scores_at_the_bound_keep_the_running_variance_finite(n):
     from proton.fusion import MAX_BASE

@@ -313,7 +313,7 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     if v.dtype.type not in NUMPY_FLOATS:  # long double, rounded as `as_tensor` rounds it; one past float64's range is named there
         with np.errstate(over="ignore"): v = v.astype(np.float64)
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
-    row = torch.from_numpy(v)[None]
+    row = torch.from_numpy(v if v.flags.writeable else v.copy())[None]  # one row: a copy spares torch's warning for a read-only array
     n = torch.linalg.vector_norm(row, dim=1)  # the tensor paths' length to the last bit: the bank keeps the row they keep
     if not MIN_NORM <= (length := float(n)) < math.inf: return None  # NaN fails both comparisons
     e = v / length  # numpy divides by the length in the dtype of v, which holds it exactly

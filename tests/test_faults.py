@@ -694,6 +694,26 @@ def test_a_state_saved_with_a_callable_object_or_a_partial_restores_in_another_p
     assert names[2] == "callable:plain" and not any(re.search("0x[0-9a-f]", n) for n in names), names  # a function is named as before
 
 
+READ_ONLY = """
+import sys, warnings, numpy as np
+from proton import Proton, ProtonConfig
+np.save(sys.argv[2], np.random.default_rng(0).normal(size=(80, 3)).astype(np.float32))
+E = np.load(sys.argv[2], mmap_mode="r")
+warnings.simplefilter("error")  # torch warns once a process: one path a process
+det = Proton(np.eye(3, dtype=np.float32), ProtonConfig(k_min=1))
+{"one image": lambda: det.score(E[0]), "steps": lambda: det.score(E[:10]), "engine": lambda: det.score(E),
+ "base=": lambda: det.score(E[:5], base=E[:5, 0])}[sys.argv[1]]()
+"""
+
+
+@pytest.mark.parametrize("path", ["one image", "steps", "engine", "base="])
+def test_a_read_only_array_is_scored_without_torchs_not_writable_warning(tmp_path, path):
+    "A memory-mapped cache (np.load(mmap_mode='r')) drew torch's 'The given NumPy array is not writable' UserWarning from every path."
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", READ_ONLY, path, str(tmp_path / "e.npy")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr.splitlines()[-1:]
+
+
 def test_a_long_double_beyond_float64_is_named_too_large_not_nan():
     "numpy's long double holds 1e4000; read as float64 it is Inf, and the error said NaN or Inf where the input holds neither."
     x = np.full((1, T.shape[1]), np.longdouble("1e4000"))

@@ -11,7 +11,7 @@ import copy
 import math
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, asdict, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -302,7 +302,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # the memory address in a default 
 
 def _config_dict(config:ProtonConfig, temperature:float):
     "The configuration as plain values, with the τ actually in use; a callable base score by its name, the same in every process."
-    d = asdict(config) | dict(temperature=temperature)
+    d = {f.name: getattr(config, f.name) for f in fields(config)} | dict(temperature=temperature)  # not `asdict`, which deep-copies a base score and the model it may belong to
     if callable(d["base_score"]): d["base_score"] = "callable:" + _ADDRESS.sub("", getattr(d["base_score"], "__qualname__", repr(d["base_score"])))
     return d
 

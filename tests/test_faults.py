@@ -714,6 +714,18 @@ def test_a_read_only_array_is_scored_without_torchs_not_writable_warning(tmp_pat
     assert r.returncode == 0, r.stderr.splitlines()[-1:]
 
 
+def test_a_base_score_that_is_a_method_of_an_object_holding_a_lock_saves_its_state():
+    "state_dict deep-copied the configuration (dataclasses.asdict), and with it a bound method's object: a model holding a lock raised TypeError."
+    import threading
+    class Model:
+        def __init__(self): self.lock = threading.Lock()
+        def score(self, logits): return -logits.amax(-1)
+    model = Model()
+    det = Proton(T, ProtonConfig(bank_size=10, k_min=2, temperature=0.2, base_score=model.score)); det.score(E[:40])
+    assert det.state_dict()["config"]["base_score"] == "callable:test_a_base_score_that_is_a_method_of_an_object_holding_a_lock_saves_its_state.<locals>.Model.score"
+    assert Proton.from_state_dict(det.state_dict(), base_score=model.score).welford.n == 40
+
+
 def test_a_long_double_beyond_float64_is_named_too_large_not_nan():
     "numpy's long double holds 1e4000; read as float64 it is Inf, and the error said NaN or Inf where the input holds neither."
     x = np.full((1, T.shape[1]), np.longdouble("1e4000"))

@@ -9,8 +9,9 @@ __all__ = ['MAX_BANK', 'MAX_WARMUP', 'DEFAULT_TEMPERATURE', 'STATE_FORMAT', 'STA
 # %% ../nbs/14_detector.ipynb
 import copy
 import math
+import re
 from contextlib import contextmanager
-from dataclasses import dataclass, asdict, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -114,7 +115,11 @@ def _classify(self:Proton,
               routed:Tensor|None=None): # (N,) class each image is routed to upstream, checked; None: the zero-shot class
     "The stateless quantities of each image: (base, confidence, predicted), the base score checked."
     logits = zero_shot_logits(X, self.text, self.temperature)
-    if norms is not None: logits /= norms[:, None]
+    if norms is not None:
+        logits /= norms[:, None]
+        if not (ok := torch.isfinite(logits).all(1)).all():  # cosine × length / τ overflowed before the length was divided out; unit rows cannot (`check_temperature`)
+            raise ValueError(f"temperature {self.temperature:g} is too small for image embeddings of length up to {float(norms[~ok].max()):.4g}: their logits, cosine × length / τ, "
+                             f"overflow {self.dtype} before the length is divided out; L2-normalise the embeddings or use a larger temperature")
     if base is None: out = classify(logits, self.base_fn)
     else:
         base = self._base_scores(base, len(X))
@@ -129,10 +134,13 @@ def _base_scores(self:Proton,
                  base, # base scores computed elsewhere: (n,), or a number for one image
                  n:int): # images
     "`base` as (n,) scores in the detector's dtype and device, or a `ValueError` naming what it got."
-    base = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores")
-    if base.ndim == 0: base = base.reshape(1)  # one image's score, as a number
-    if base.shape != (n,): raise ValueError(f"base scores must have shape ({n},), got {tuple(base.shape)}")  # a (2, 2) array is no 4 scores
-    return base
+    t = as_tensor(base, dtype=self.dtype, device=self.device, name="base scores", check_finite=False)
+    if not torch.isfinite(t).all():  # NaN or Inf given (named by `as_tensor`), or values the detector's dtype cannot hold
+        big = float(as_tensor(base, name="base scores").abs().max())
+        raise ValueError(f"base scores must lie within ±{torch.finfo(self.dtype).max:.2g}, the range of {self.dtype} the detector computes in; got one of magnitude {big:.3g}")
+    if t.ndim == 0: t = t.reshape(1)  # one image's score, as a number
+    if t.shape != (n,): raise ValueError(f"base scores must have shape ({n},), got {tuple(t.shape)}")  # a (2, 2) array is no 4 scores
+    return t
 add_methods(Proton, _classify=_classify, _base_scores=_base_scores)
 
 def class_indices(values, # classes, one per image: an integer array, tensor or list
@@ -290,10 +298,12 @@ add_methods(Proton, _set_var_ref=_set_var_ref, _learn_var_ref=_learn_var_ref, _s
 STATE_FORMAT = "proton-state-2"  # the prototypes are saved too: a restored detector continues bit for bit
 STATE_KEYS = ("format", "config", "text_embeddings", "bank", "counts", "prototypes", "welford", "var_ref")
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # the memory address in a default repr (`<mod.Margin object at 0x7f…>`): another in every process
+
 def _config_dict(config:ProtonConfig, temperature:float):
-    "The configuration as plain values, with the τ actually in use."
-    d = asdict(config) | dict(temperature=temperature)
-    if callable(d["base_score"]): d["base_score"] = "callable:" + getattr(d["base_score"], "__qualname__", repr(d["base_score"]))
+    "The configuration as plain values, with the τ actually in use; a callable base score by its name, the same in every process."
+    d = {f.name: getattr(config, f.name) for f in fields(config)} | dict(temperature=temperature)  # not `asdict`, which deep-copies a base score and the model it may belong to
+    if callable(d["base_score"]): d["base_score"] = "callable:" + _ADDRESS.sub("", getattr(d["base_score"], "__qualname__", repr(d["base_score"])))
     return d
 
 def _state_dict(self:Proton):
@@ -362,6 +372,7 @@ def _check_state(self:Proton, sd):
     mine = _config_dict(self.config, self.temperature)
     _state_structure(sd, mine)
     saved = {"warmup": 0} | sd["config"]
+    if isinstance(saved["base_score"], str): saved["base_score"] = _ADDRESS.sub("", saved["base_score"])  # a state saved while the address was kept
     diff = [f"{k}={saved[k]!r} (here {mine[k]!r})" for k in mine if saved[k] != mine[k]]
     if diff: raise ValueError(f"state was saved with a different configuration: {', '.join(diff)}")
     (C, M, d), like = self.bank.entries.shape, self.bank.entries

@@ -313,7 +313,7 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     if v.dtype.type not in NUMPY_FLOATS:  # long double, rounded as `as_tensor` rounds it; one past float64's range is named there
         with np.errstate(over="ignore"): v = v.astype(np.float64)
     v = np.ascontiguousarray(v.reshape(-1), dtype=text.dtype)
-    row = torch.from_numpy(v)[None]
+    row = torch.from_numpy(v if v.flags.writeable else v.copy())[None]  # one row: a copy spares torch's warning for a read-only array
     n = torch.linalg.vector_norm(row, dim=1)  # the tensor paths' length to the last bit: the bank keeps the row they keep
     if not MIN_NORM <= (length := float(n)) < math.inf: return None  # NaN fails both comparisons
     e = v / length  # numpy divides by the length in the dtype of v, which holds it exactly
@@ -325,8 +325,10 @@ def score_one(x, # one image embedding: a (d,) or (1, d) floating numpy array or
     w[k] = 0  # the other classes' weights: one near 1 is a near tie
     slack = 4 * (sum(text.shape) + 4) * float(np.finfo(text.dtype).eps) / min(temperature, 1)  # twice how far rounding can move a log-confidence or a logit gap
     near = abs(math.log(confidence / config.gamma)) <= slack or passes_gate(confidence, config.gamma) and w.max() >= math.exp(-slack)  # the gate, or a gated image's class, in doubt
-    if near or not isinstance(base, Tensor) or base.shape != (1,) or not abs(float(base)) <= MAX_BASE / 2:  # NaN fails the last
-        base, confidence, k = classify(zero_shot_logits(row, views.tensors[0], temperature) / n[:, None], base_fn)  # the tensor paths' own numbers; a bad base score raises here
+    if near or not isinstance(base, Tensor) or base.shape != (1,) or not abs(float(base)) <= min(MAX_BASE / 2, float(np.finfo(text.dtype).max)):  # NaN fails the last; a float64 score past float32's range is refused by `classify`
+        lg = zero_shot_logits(row, views.tensors[0], temperature) / n[:, None]  # the tensor paths' own numbers
+        if not torch.isfinite(lg).all(): return None  # τ too small for the row's length: the general path names both
+        base, confidence, k = classify(lg, base_fn)  # a bad base score raises here
     base, k = float(base), int(k)
     if abs(base) > MAX_BASE: return None  # the general path raises
     welford = Welford(welford.n, welford.mean, welford.m2)

@@ -9,6 +9,7 @@ __all__ = ['NUMPY_FLOATS', 'MIN_NORM', 'BASE_SCORES', 'as_tensor', 'as_rows', 'a
 
 # %% ../nbs/10_scores.ipynb
 import math
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -17,6 +18,13 @@ from torch import Tensor
 
 # %% ../nbs/10_scores.ipynb
 NUMPY_FLOATS = (np.float16, np.float32, np.float64)  # the numpy floats torch holds; wider ones (long double) are read as float64
+
+def _shared(a:np.ndarray): # a numpy array torch can hold
+    "`torch.as_tensor(a)`, sharing `a`'s memory, without torch's warning when `a` is read-only (a memory-mapped cache): nothing here writes to its input."
+    if a.flags.writeable: return torch.as_tensor(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.as_tensor(a)
 
 def as_tensor(x, # numpy array, torch tensor or nested list
               dtype:torch.dtype|None=None, # floating dtype to compute in; None keeps `x`'s (float32 for non-floats)
@@ -33,7 +41,7 @@ def as_tensor(x, # numpy array, torch tensor or nested list
             if a.dtype.kind == "f" and a.dtype.type not in NUMPY_FLOATS:  # long double: torch has none
                 with np.errstate(over="ignore"): a, wide = a.astype(np.float64), a
                 overflow = bool((np.isinf(a) & np.isfinite(wide)).any())
-            t = torch.as_tensor(a)
+            t = _shared(a)
     except (TypeError, ValueError):  # None, a string, a net's (features, logits) tuple: numpy's message names neither `name` nor the type
         kind = f"ndarray of dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
         raise ValueError(f"{name} must be a numeric array or tensor, got {kind}") from None
@@ -182,7 +190,10 @@ def classify(logits:Tensor, # (N, C) zero-shot logits
         raise ValueError(f"base score must return a torch tensor of shape ({len(logits)},), got {type(base).__module__}.{type(base).__name__}")
     if base.shape != (len(logits),): raise ValueError(f"base score must return a tensor of shape ({len(logits)},), got {tuple(base.shape)}")
     if not torch.isfinite(base).all(): raise ValueError("base score returned NaN or Inf")
-    return (base.to(logits.dtype), *top_softmax(logits))
+    out = base.to(logits.dtype)
+    if not torch.isfinite(out).all():  # finite in a wider dtype (a float64 score of a float32 detector), infinite in the logits'
+        raise ValueError(f"base score returned values beyond ±{torch.finfo(logits.dtype).max:.2g}, the range of {logits.dtype} the detector computes in; got one of magnitude {float(base.abs().max()):.3g}")
+    return (out, *top_softmax(logits))
 
 # %% ../nbs/10_scores.ipynb
 def add_methods(cls:type, # the class that gets the methods

@@ -88,6 +88,38 @@ def test_a_base_score_too_large_for_the_running_variance_is_refused_and_state_ke
     assert same_state(snapshot(det), before)
 
 
+@pytest.mark.parametrize("n", [1, 10, 80])  # one image, the step path, the engine
+@pytest.mark.parametrize("how", ["callable", "base="])
+def test_a_base_score_past_float32s_range_is_refused_on_a_float32_detector_and_state_kept(n, how):
+    "A float64 score of -1e39, finite where it was checked, became -inf in float32: -inf scores, then NaN moments (one image: a RuntimeError; base=: 'NaN or Inf')."
+    scale = [1.]
+    det = Proton(T.astype(np.float32), ProtonConfig(bank_size=10, k_min=2, temperature=0.2, base_score=lambda logits: -logits.amax(-1).double() * scale[0]))
+    det.score(E[:100])
+    before = snapshot(det)
+    with pytest.raises(ValueError, match=r"^base scores? (returned values|must lie) (beyond|within) ±3\.4e\+38, the range of torch\.float32"):
+        if how == "callable": scale[0] = 1e40; det.score(E[100:100 + n])
+        else: det.score(E[100:100 + n], base=np.r_[np.zeros(n - 1), -1e39])
+    assert same_state(snapshot(det), before)
+    det64 = Proton(T, ProtonConfig(bank_size=10, k_min=2, temperature=0.2), dtype=torch.float64)
+    assert torch.isfinite(det64.score(E[:n], base=np.r_[np.zeros(n - 1), -1e39])).all()  # float64 holds it
+
+
+@pytest.mark.parametrize("path", ["one image", "(1, d) parts", "steps", "engine"])
+@pytest.mark.parametrize("base_score", ["mcm", "entropy"])
+def test_a_tau_too_small_for_the_embeddings_length_is_named_and_state_kept(path, base_score):
+    "At τ = 1e-37, long embeddings' logits (cosine × length / τ) overflowed float32 before the length was divided out: 'base score returned NaN or Inf' (mcm) or a NaN confidence that never passes the gate (entropy)."
+    cfg = ProtonConfig(bank_size=10, k_min=2, temperature=1e-37, base_score=base_score)
+    X = np.tile(np.array([[100., 10.], [20., 100.]], np.float32), (40, 1))
+    run = {"one image": lambda d: d.score(X[0]), "(1, d) parts": lambda d: d.score(X[:1], return_parts=True),
+           "steps": lambda d: d.score(X[:2]), "engine": lambda d: d.score(X)}[path]
+    det = Proton(np.eye(2, dtype=np.float32), cfg)
+    det.score(X[:2] / np.linalg.norm(X[:2], axis=1, keepdims=True))  # unit length: the same directions score
+    before = snapshot(det)
+    with pytest.raises(ValueError, match=r"^temperature 1e-37 is too small for image embeddings of length up to 10[0-9.]+: their logits, cosine × length / τ, overflow torch.float32"):
+        run(det)
+    assert same_state(snapshot(det), before)
+
+
 @pytest.mark.parametrize("n", [10, 80])  # the step path, the engine
 def test_base_scores_at_the_bound_keep_the_running_variance_finite(n):
     from proton.fusion import MAX_BASE
@@ -622,6 +654,76 @@ def test_a_callable_base_score_for_a_state_saved_with_a_named_one_is_refused(tmp
                  lambda: load_monitor(tmp_path / "mon.pt", base_score=energy)):
         with pytest.raises(ValueError, match=r"^state was saved with base score 'mcm', yet a base_score callable was given: pass one only for a state saved with a custom base score$"): load()
     assert load_detector(tmp_path / "det.pt").config.base_score == "mcm"
+
+
+CALLABLES = """
+import functools
+class Margin:
+    "Minus the gap between the two largest logits."
+    def __call__(self, logits):
+        top2 = logits.topk(2, -1).values
+        return top2[..., 1] - top2[..., 0]
+def scaled_mcm(logits, k): return -k * logits.softmax(-1).amax(-1)
+def plain(logits): return -logits.amax(-1)
+margin, half = Margin(), functools.partial(scaled_mcm, k=0.5)
+"""
+
+SAVE_OR_LOAD = """
+import sys, numpy as np, torch
+import callables
+from proton import Proton, ProtonConfig
+T = np.eye(3, dtype=np.float32); E = np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32)
+for name in ("margin", "half", "plain"):
+    path, f = f"{sys.argv[2]}/{name}.pt", getattr(callables, name)
+    if sys.argv[1] == "save":
+        det = Proton(T, ProtonConfig(base_score=f)); det.score(E); torch.save(det.state_dict(), path)
+    else: print(name, Proton.from_state_dict(torch.load(path, weights_only=True), base_score=f).welford.n)
+"""
+
+
+def test_a_state_saved_with_a_callable_object_or_a_partial_restores_in_another_process(tmp_path):
+    "A callable object or a partial was recorded by its repr, which holds a memory address: no other process could match it, and the restore was refused."
+    import subprocess
+    (tmp_path / "callables.py").write_text(CALLABLES); (tmp_path / "run.py").write_text(SAVE_OR_LOAD)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    run = lambda step: subprocess.run([sys.executable, str(tmp_path / "run.py"), step, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert run("save").returncode == 0
+    load = run("load")
+    assert load.stdout.splitlines() == ["margin 20", "half 20", "plain 20"], load.stderr
+    names = [torch.load(tmp_path / f"{n}.pt", weights_only=True)["config"]["base_score"] for n in ("margin", "half", "plain")]
+    assert names[2] == "callable:plain" and not any(re.search("0x[0-9a-f]", n) for n in names), names  # a function is named as before
+
+
+READ_ONLY = """
+import sys, warnings, numpy as np
+from proton import Proton, ProtonConfig
+np.save(sys.argv[2], np.random.default_rng(0).normal(size=(80, 3)).astype(np.float32))
+E = np.load(sys.argv[2], mmap_mode="r")
+warnings.simplefilter("error")  # torch warns once a process: one path a process
+det = Proton(np.eye(3, dtype=np.float32), ProtonConfig(k_min=1))
+{"one image": lambda: det.score(E[0]), "steps": lambda: det.score(E[:10]), "engine": lambda: det.score(E),
+ "base=": lambda: det.score(E[:5], base=E[:5, 0])}[sys.argv[1]]()
+"""
+
+
+@pytest.mark.parametrize("path", ["one image", "steps", "engine", "base="])
+def test_a_read_only_array_is_scored_without_torchs_not_writable_warning(tmp_path, path):
+    "A memory-mapped cache (np.load(mmap_mode='r')) drew torch's 'The given NumPy array is not writable' UserWarning from every path."
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", READ_ONLY, path, str(tmp_path / "e.npy")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr.splitlines()[-1:]
+
+
+def test_a_base_score_that_is_a_method_of_an_object_holding_a_lock_saves_its_state():
+    "state_dict deep-copied the configuration (dataclasses.asdict), and with it a bound method's object: a model holding a lock raised TypeError."
+    import threading
+    class Model:
+        def __init__(self): self.lock = threading.Lock()
+        def score(self, logits): return -logits.amax(-1)
+    model = Model()
+    det = Proton(T, ProtonConfig(bank_size=10, k_min=2, temperature=0.2, base_score=model.score)); det.score(E[:40])
+    assert det.state_dict()["config"]["base_score"] == "callable:test_a_base_score_that_is_a_method_of_an_object_holding_a_lock_saves_its_state.<locals>.Model.score"
+    assert Proton.from_state_dict(det.state_dict(), base_score=model.score).welford.n == 40
 
 
 def test_a_long_double_beyond_float64_is_named_too_large_not_nan():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .scores import as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, whole_in_range, compute_dtype, get_base_score, zero_shot_logits, add_methods
+from .scores import _shared, as_rows, as_tensor, as_unit_rows, check_temperature, classify, plain_number, whole_in_range, compute_dtype, get_base_score, zero_shot_logits, add_methods
 from .bank import PrototypeBank, out_of_memory, passes_gate
 from .proto import proto_score
 from .fusion import MAX_BASE, Welford, adaptive_fusion
@@ -149,7 +149,7 @@ def class_indices(values, # classes, one per image: an integer array, tensor or 
                   n:int|None=None): # how many there must be; None: any number
     "`values` as a 1-D long tensor of classes in [0, C) (on `values`' device), or a `ValueError` naming the problem."
     if not isinstance(values, Tensor) and (a := np.asarray(values)).size and a.dtype.kind not in "biufc": raise ValueError(f"{what} must be integers, got dtype {a.dtype}")
-    r = values.detach() if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
+    r = values.detach() if isinstance(values, Tensor) else _shared(np.asarray(values))
     if r.numel() and (r.is_floating_point() or r.is_complex() or r.dtype == torch.bool): raise ValueError(f"{what} must be integers, got dtype {r.dtype}")
     if r.ndim == 0: r = r.reshape(1)  # one image's class, as a number
     if r.ndim != 1: raise ValueError(f"{what} must have shape ({'N' if n is None else n},), got {tuple(r.shape)}")  # a (2, 2) array is no list of 4 classes
@@ -300,10 +300,17 @@ STATE_KEYS = ("format", "config", "text_embeddings", "bank", "counts", "prototyp
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # the memory address in a default repr (`<mod.Margin object at 0x7f…>`): another in every process
 
+def _callable_name(f:Callable): # a custom base score
+    "`f`'s name in a saved state, the same in every process: a function's qualified name; an object's repr without its address, and its attributes when that repr is the default."
+    if hasattr(f, "__qualname__"): return "callable:" + f.__qualname__
+    shown = _ADDRESS.sub("", r := repr(f))
+    if shown != r and getattr(f, "__dict__", None): shown += " " + _ADDRESS.sub("", repr(vars(f)))  # `<Scaled object>` alone would name Scaled(1) and Scaled(5) alike
+    return "callable:" + shown
+
 def _config_dict(config:ProtonConfig, temperature:float):
-    "The configuration as plain values, with the τ actually in use; a callable base score by its name, the same in every process."
+    "The configuration as plain values, with the τ actually in use; a callable base score by `_callable_name`."
     d = {f.name: getattr(config, f.name) for f in fields(config)} | dict(temperature=temperature)  # not `asdict`, which deep-copies a base score and the model it may belong to
-    if callable(d["base_score"]): d["base_score"] = "callable:" + _ADDRESS.sub("", getattr(d["base_score"], "__qualname__", repr(d["base_score"])))
+    if callable(d["base_score"]): d["base_score"] = _callable_name(d["base_score"])
     return d
 
 def _state_dict(self:Proton):

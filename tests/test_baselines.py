@@ -99,9 +99,10 @@ def test_knn_near_neighbours_keep_their_digits():
 
 def test_knn_bad_k():
     _, bank, _, _ = data(0)
-    for k in (0, 41, 2.5, True):
-        with pytest.raises(ValueError, match="k must be an integer from 1 to 40"):
+    for k in (0, 2.5, True):
+        with pytest.raises(ValueError, match="k must be a positive integer"):
             fit_knn(bank, k)
+    with pytest.raises(ValueError, match=r"^k must be at most the bank size 40 \(held-out ID images\), got 41$"): fit_knn(bank, 41)
 
 
 # --- Mahalanobis-ID ---------------------------------------------------------------------------------
@@ -298,6 +299,13 @@ def test_registry_flags_and_needs():
 
 # --- held-out split -----------------------------------------------------------------------------------
 
+def test_split_takes_a_negative_seed_as_torch_does():
+    "A negative seed (torch's generators take -2**63 to 2**64 - 1) was refused: 'seed must be an integer from 0 to ...'."
+    held, rest = split_held_out(np.arange(10), .3, seed=-1)
+    assert len(held) == 3 and sorted(held.tolist() + rest.tolist()) == list(range(10))
+    assert torch.equal(split_held_out(np.arange(10), .3, seed=-1)[0], held)
+
+
 @pytest.mark.parametrize("fraction", [.05, .2, .5, .95])
 def test_split_is_a_seeded_partition(fraction):
     ids = np.random.default_rng(11).choice(1000, size=200, replace=False)
@@ -355,10 +363,10 @@ def test_gl_mcm_refuses_a_lambda_that_is_no_non_negative_finite_number(lam):
 
 
 @pytest.mark.parametrize("call,msg", [
-    (lambda B, y: fit_knn(B, None), "k must be an integer from 1 to 12, got None"),
-    (lambda B, y: fit_knn(B, math.nan), "k must be an integer from 1 to 12, got nan"),
-    (lambda B, y: fit_knn(B, math.inf), "k must be an integer from 1 to 12, got inf"),
-    (lambda B, y: fit_knn(B, "3"), "k must be an integer from 1 to 12, got '3'"),
+    (lambda B, y: fit_knn(B, None), "k must be a positive integer, got None"),
+    (lambda B, y: fit_knn(B, math.nan), "k must be a positive integer, got nan"),
+    (lambda B, y: fit_knn(B, math.inf), "k must be a positive integer, got inf"),
+    (lambda B, y: fit_knn(B, "3"), "k must be a positive integer, got '3'"),
     (lambda B, y: fit_knn(B[:0], 1), "held-out ID embeddings hold no image"),
     (lambda B, y: fit_mahalanobis(B, y, "0.01"), "ridge must be a positive, finite number, got '0.01'"),
     (lambda B, y: fit_mahalanobis(B, y, None), "ridge must be a positive, finite number, got None"),
@@ -366,8 +374,8 @@ def test_gl_mcm_refuses_a_lambda_that_is_no_non_negative_finite_number(lam):
     (lambda B, y: fit_mahalanobis(B, None), "id_labels must be integer class indices, got None"),
     (lambda B, y: split_held_out(np.arange(10), "0.5"), "fraction must be a number in (0, 1), got '0.5'"),
     (lambda B, y: split_held_out(np.arange(10), None), "fraction must be a number in (0, 1), got None"),
-    (lambda B, y: split_held_out(np.arange(10), .5, seed=1.5), "seed must be an integer from 0 to"),
-    (lambda B, y: split_held_out(np.arange(10), .5, seed=None), "seed must be an integer from 0 to"),
+    (lambda B, y: split_held_out(np.arange(10), .5, seed=1.5), "seed must be an integer from -9223372036854775808 to"),
+    (lambda B, y: split_held_out(np.arange(10), .5, seed=None), "seed must be an integer from -9223372036854775808 to"),
 ])
 def test_privileged_settings_are_refused_in_one_line_naming_them(call, msg):
     "None, NaN, ∞ or a string for k, ridge, id_labels, fraction or seed reached int(), '<' or torch: TypeError, OverflowError, RuntimeError or an unnamed message."

@@ -699,19 +699,37 @@ import sys, warnings, numpy as np
 from proton import Proton, ProtonConfig
 np.save(sys.argv[2], np.random.default_rng(0).normal(size=(80, 3)).astype(np.float32))
 E = np.load(sys.argv[2], mmap_mode="r")
+np.save(sys.argv[2] + ".int.npy", np.array([0, 1, 2, 0, 1])); np.save(sys.argv[2] + ".bool.npy", np.ones(5, bool))
+from proton.deploy import bank_audit
 warnings.simplefilter("error")  # torch warns once a process: one path a process
 det = Proton(np.eye(3, dtype=np.float32), ProtonConfig(k_min=1))
 {"one image": lambda: det.score(E[0]), "steps": lambda: det.score(E[:10]), "engine": lambda: det.score(E),
- "base=": lambda: det.score(E[:5], base=E[:5, 0])}[sys.argv[1]]()
+ "base=": lambda: det.score(E[:5], base=E[:5, 0]),
+ "routed": lambda: det.score(np.array(E[:5]), routed=np.load(sys.argv[2] + ".int.npy", mmap_mode="r")),  # writable embeddings: torch warns once a process
+ "bank audit": lambda: bank_audit(np.load(sys.argv[2] + ".int.npy", mmap_mode="r"), np.load(sys.argv[2] + ".bool.npy", mmap_mode="r"), 3, 2)}[sys.argv[1]]()
 """
 
 
-@pytest.mark.parametrize("path", ["one image", "steps", "engine", "base="])
+@pytest.mark.parametrize("path", ["one image", "steps", "engine", "base=", "routed", "bank audit"])
 def test_a_read_only_array_is_scored_without_torchs_not_writable_warning(tmp_path, path):
     "A memory-mapped cache (np.load(mmap_mode='r')) drew torch's 'The given NumPy array is not writable' UserWarning from every path."
     import subprocess
     r = subprocess.run([sys.executable, "-c", READ_ONLY, path, str(tmp_path / "e.npy")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr.splitlines()[-1:]
+
+
+class Scaled:
+    "A callable object with a parameter and the default repr."
+    def __init__(self, k): self.k = k
+    def __call__(self, logits): return -self.k * logits.amax(-1)
+
+
+def test_a_state_saved_with_a_callable_object_is_refused_with_another_of_other_parameters():
+    "Names without addresses made every instance of a class one name: a state saved with Scaled(1) restored into Scaled(5), whose scores are on another scale than its moments."
+    det = Proton(T, ProtonConfig(bank_size=10, k_min=2, temperature=0.2, base_score=Scaled(1.))); det.score(E[:40])
+    with pytest.raises(ValueError, match="state was saved with a different configuration: base_score="):
+        Proton.from_state_dict(det.state_dict(), base_score=Scaled(5.))
+    assert Proton.from_state_dict(det.state_dict(), base_score=Scaled(1.)).welford.n == det.welford.n
 
 
 def test_a_base_score_that_is_a_method_of_an_object_holding_a_lock_saves_its_state():

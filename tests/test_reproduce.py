@@ -504,3 +504,27 @@ def test_every_number_of_the_tables_has_one_decimal(report, simulated_tables):
         values = t.to_numpy(dtype=float)
         ok = np.isnan(values) | (values == np.round(values, 1))
         assert ok.all(), t[~ok.all(axis=1)]
+
+
+def test_earlier_runs_are_set_aside_under_the_next_free_number(tmp_path):
+    "A third run into one folder must keep both earlier reports, each whole, under earlier_runs/1 and earlier_runs/2."
+    from proton.models.reproduce import _set_aside
+    assert _set_aside(tmp_path) is None  # nothing to move
+    for run in ("first", "second"):
+        (tmp_path / "tables").mkdir(); (tmp_path / "tables" / "table2.csv").write_text(run); (tmp_path / "report.md").write_text(run)
+        (tmp_path / "cache.npz").write_text("kept")
+        moved = _set_aside(tmp_path)
+        assert (tmp_path / moved / "report.md").read_text() == run and (tmp_path / moved / "tables" / "table2.csv").read_text() == run
+    assert moved == "earlier_runs/2" and (tmp_path / "earlier_runs" / "1" / "report.md").read_text() == "first"
+    assert (tmp_path / "cache.npz").read_text() == "kept" and not (tmp_path / "report.md").exists()
+
+
+def test_the_command_says_where_the_earlier_report_went(tmp_path, monkeypatch, capsys):
+    "The final line named the tables not made but not the folder an earlier report was moved to."
+    import proton.models.reproduce as rp
+    def fake(data, out, *rest):
+        (Path(out) / "metadata.json").write_text(json.dumps(dict(made=["table2"], not_made=[], earlier_run="earlier_runs/1")))
+        return Path(out) / "report.md"
+    monkeypatch.setattr(rp, "reproduce", fake)
+    assert rp.reproduce_main(["--data", str(tmp_path), "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"; the earlier report moved to {tmp_path / 'earlier_runs' / '1'}")

@@ -160,7 +160,7 @@ def split_held_out(indices_or_mask, # (M,) boolean mask of ID samples, or (n,) i
     f = plain_number(fraction)
     if f is None or not 0 < f < 1: raise ValueError(f"fraction must be a number in (0, 1), got {fraction!r}")
     n_held = min(max(round(f * len(idx)), 1), len(idx) - 1)
-    order = torch.randperm(len(idx), generator=torch.Generator().manual_seed(whole_in_range(seed, "seed", 0, 2**64 - 1)))
+    order = torch.randperm(len(idx), generator=torch.Generator().manual_seed(whole_in_range(seed, "seed", -2**63, 2**64 - 1)))
     return idx[order[:n_held]].sort().values, idx[order[n_held:]].sort().values
 
 # %% ../../nbs/22_baselines.ipynb
@@ -180,7 +180,9 @@ def fit_knn(id_embeddings, # (B, d) labelled held-out ID image embeddings; label
     "A kNN-ID scorer over the L2-normalised held-out ID embeddings."
     bank = as_unit_rows(id_embeddings, dtype=compute_dtype(id_embeddings, name="held-out ID embeddings"), name="held-out ID embeddings")
     if len(bank) == 0: raise ValueError("held-out ID embeddings hold no image: kNN-ID needs a bank of at least k")
-    return KNNScorer(bank, whole_in_range(k, "k", 1, len(bank)))
+    k = whole_in_range(k, "k", 1)
+    if k > len(bank): raise ValueError(f"k must be at most the bank size {len(bank)} (held-out ID images), got {k}")
+    return KNNScorer(bank, k)
 
 # %% ../../nbs/22_baselines.ipynb
 def _knn_score(self:KNNScorer,

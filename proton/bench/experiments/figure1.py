@@ -18,6 +18,7 @@ from ..evaluation import SkippedWarning, import_pandas
 from ...detector import Proton, ProtonConfig
 from ..streams import make_stream
 from ..synth import SHIFTS
+from ...scores import whole_in_range
 
 # %% ../../../nbs/00_intro.ipynb
 def overlap_coefficient(a, # (n,) first sample of scores
@@ -27,9 +28,9 @@ def overlap_coefficient(a, # (n,) first sample of scores
     a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
     if len(a) == 0 or len(b) == 0: raise ValueError(f"both samples must be non-empty, got sizes {len(a)} and {len(b)}")
     if not (np.isfinite(a).all() and np.isfinite(b).all()): raise ValueError("the samples contain NaN or Inf")
-    if int(bins) != bins or bins < 1: raise ValueError(f"bins must be a positive integer, got {bins}")
+    bins = whole_in_range(bins, "bins", 1)
     lo, hi = min(a.min(), b.min()), max(a.max(), b.max())
-    edges = np.linspace(lo, hi if hi > lo else lo + 1, int(bins) + 1)
+    edges = np.linspace(lo, hi if hi > lo else lo + 1, bins + 1)
     fa, fb = np.histogram(a, edges)[0] / len(a), np.histogram(b, edges)[0] / len(b)
     return float(np.minimum(fa, fb).sum())
 

@@ -1,5 +1,6 @@
 """Cross-cutting tests of the synthetic presets and of experiments 6-9 and the regime map, on tiny caches."""
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -131,6 +132,24 @@ def test_triage_columns_determinism_and_ablation():
     assert not triage(cache, seed=2).row.equals(df.row)
     base_only = triage(cache, features="base", seed=1)
     assert base_only[["row", "base", "proto"]].equals(df[["row", "base", "proto"]])  # same stream, fewer features
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seed=None), "seed must be an integer from 0 to 4294967295, got None"), (dict(seed="a"), "seed must be an integer from 0 to 4294967295, got 'a'"),
+    (dict(seed=-1), "seed must be an integer from 0 to 4294967295, got -1"), (dict(seed=2**32), "seed must be an integer from 0 to 4294967295, got 4294967296"),
+    (dict(n_splits=None), "n_splits must be an integer of at least 2, got None"), (dict(n_splits="5"), "n_splits must be an integer of at least 2, got '5'"),
+    (dict(n_splits=1), "n_splits must be an integer of at least 2, got 1"), (dict(n_splits=2.5), "n_splits must be an integer of at least 2, got 2.5"),
+    (dict(features=None), "features must be a non-empty selection of ('base', 'proto'), got None"),
+    (dict(classifier=["x"]), "unknown classifier ['x']")])
+def test_triage_names_a_bad_setting_in_one_line(kwargs, message):
+    "seed=None ran with a new order every call; seed 'a', n_splits None or '5', features=None, classifier=['x'] gave raw TypeErrors; -1, 2**32, 1 and 2.5 numpy's or sklearn's messages naming no argument."
+    with pytest.raises(ValueError, match=re.escape(message)): triage(tiny_cache(), **kwargs)
+
+
+def test_triage_refuses_a_cache_without_id_images():
+    "Without ID images the prototypes were built from OOD images alone, and triage reported a macro-F1 of them."
+    cache = tiny_cache()
+    with pytest.raises(ValueError, match="triage needs ID images to seed the prototypes"): triage(cache.subset(cache.shift != "id"))
 
 
 def test_triage_rejects_bad_input():
@@ -300,3 +319,35 @@ def test_regime_robustness_and_cross_domain_run_on_the_configured_base_score():
     assert set(rob.method) == {"energy", "proton[energy]"}
     assert set(cross_domain({"a": cache}, n_permutations=1, config=energy, progress=False).method) == {"energy", "proton[energy]"}
     assert set(cross_domain({"a": cache}, n_permutations=1, progress=False).method) == {"mcm", "proton"}  # the paper's, by default
+
+
+def test_k_min_reached_refuses_several_streams_and_a_bad_k_min():
+    "A table of three streams gave the last stream's index without a word; k_min None said 'never', 0 or -1 gave 0, 2.5 was taken and '5' raised a raw TypeError."
+    from proton.bench.experiments.dynamics import k_min_reached
+    df = dynamics(tiny_cache())
+    with pytest.raises(ValueError, match=r"rows hold 3 streams \(shifts semantic, covariate, far\): pass one"): k_min_reached(df)
+    one = df[df["shift"] == "far"]
+    for bad in (None, 0, -1, 2.5, "5"):
+        with pytest.raises(ValueError, match=re.escape(f"k_min must be a positive integer, got {bad!r}")): k_min_reached(one, bad)
+    assert k_min_reached(one, np.int64(5)) == k_min_reached(one, 5)
+
+
+@pytest.mark.parametrize("shifts", [5, 2.5, True])
+def test_shifts_that_are_no_name_nor_list_are_named(shifts):
+    "dynamics(cache, shifts=5) gave 'TypeError: 'int' object is not iterable' from the cache's ood_shifts, which every experiment uses."
+    with pytest.raises(ValueError, match=re.escape(f"shifts must be a shift name or a list of them, got {shifts!r}")): dynamics(tiny_cache(), shifts=shifts)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(config="x"), TypeError, "config must be a ProtonConfig, got str"),
+    (dict(cov_shifts=2.0), ValueError, "cov_shifts must be a list of numbers, got 2.0"),
+    (dict(cov_shifts=None), ValueError, "cov_shifts must be a list of numbers, got None"),
+    (dict(class_strengths="0.3"), ValueError, "class_strengths must be a list of numbers, got '0.3'")])
+def test_regime_names_a_bad_grid_or_config(kwargs, error, message):
+    "config='x' raised AttributeError, cov_shifts=2.0 or None a TypeError, and class_strengths='0.3' was read a character at a time."
+    with pytest.raises(error, match=re.escape(message)): regime(**kwargs, n_id=20, n_per_shift=10, n_permutations=1, progress=False)
+
+
+def test_regime_runs_a_repeated_grid_value_once():
+    r = regime(cov_shifts=(1., 1.), class_strengths=(.1,), n_id=20, n_per_shift=10, n_permutations=1, progress=False)
+    assert r.groupby(["cov_shift", "class_strength", "method"]).size().max() == 1

@@ -528,3 +528,12 @@ def test_the_command_says_where_the_earlier_report_went(tmp_path, monkeypatch, c
     monkeypatch.setattr(rp, "reproduce", fake)
     assert rp.reproduce_main(["--data", str(tmp_path), "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"; the earlier report moved to {tmp_path / 'earlier_runs' / '1'}")
+
+
+def test_the_sigma_range_averages_the_shifts_before_it_rounds():
+    "The σ²₀ range averaged per-shift AUROCs already rounded to 0.1: 70.149, 70.149 and 70.249 gave 70.1, not 70.2."
+    from proton.models.reproduce import var_ref_range
+    rows = [dict(sweep="var_ref", method="proton", var_ref=0.02, shift=s, auroc=a, aupr_out=.5, fpr95=.5)
+            for s, a in zip(("semantic", "covariate", "far"), (.70149, .70149, .70249))]
+    t = var_ref_range(pd.DataFrame(rows))
+    assert t.iloc[0, 0] == t.iloc[1, 0] == 70.2, t

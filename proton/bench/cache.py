@@ -212,7 +212,8 @@ add_methods(EmbeddingCache, shifts_present=property(_shifts_present))
 def _ood_shifts(self:EmbeddingCache, shifts=None): # a shift name, a list of them, or None: every OOD shift in the cache
     "The OOD shifts an experiment runs, as a list without repeats; an error when the cache has none to offer or `shifts` names none."
     if shifts is not None:
-        named = list(dict.fromkeys([shifts] if isinstance(shifts, str) else shifts))  # a shift named twice runs once, as in `evaluate`
+        try: named = list(dict.fromkeys([shifts] if isinstance(shifts, str) else shifts))  # a shift named twice runs once, as in `evaluate`
+        except TypeError: raise ValueError(f"shifts must be a shift name or a list of them, got {shifts!r}") from None
         if not named: raise ValueError("shifts is empty: name at least one OOD shift, or give None for every one in the cache")
         return named
     found = [s for s in self.shifts_present if s != "id"]

@@ -126,9 +126,10 @@ def domain_cache(domain:str, # a key of `DOMAINS`
     return path, cache
 
 # %% ../../nbs/45_reproduce.ipynb
-def _means(df, keys=("method", "shift")):
+def _means(df, keys=("method", "shift"), digits:int|None=1): # decimals of the result; None: unrounded, for a mean of means
     "Mean metrics over the stream orders, in %, indexed by `keys`."
-    return (df.groupby(list(keys), sort=False)[["auroc", "aupr_out", "fpr95"]].mean() * 100).round(1)
+    m = df.groupby(list(keys), sort=False)[["auroc", "aupr_out", "fpr95"]].mean() * 100
+    return m if digits is None else m.round(digits)
 
 def _row(m, key:tuple):
     "(AUROC, AUPR, FPR95) of one row of `_means`, NaN where the results have none (a shift the prepared folder lacks)."
@@ -202,7 +203,7 @@ def table4(results, main): # `generality`'s results, and `main_table`'s, on the 
 
 def var_ref_range(results): # `sensitivity`'s results on the main domain
     "The σ²₀ sweep of the paper's setup: the lowest and highest of PROTON's AUROC averaged over the shifts as σ²₀ varies, ours beside the paper's."
-    m = _means(results[(results.sweep == "var_ref") & (results.method == "proton")], ("var_ref", "shift"))["auroc"]
+    m = _means(results[(results.sweep == "var_ref") & (results.method == "proton")], ("var_ref", "shift"), digits=None)["auroc"]  # rounded once, after the mean over the shifts
     mean = m.groupby(level="var_ref").mean()
     low, high = REPORTED["var_ref_mean_auroc"]
     return _beside({"lowest": (round(mean.min(), 1),), "highest": (round(mean.max(), 1),)}, {"lowest": (low,), "highest": (high,)},

@@ -18,7 +18,7 @@ from ..cache import EmbeddingCache, check_cache
 from ..evaluation import PAPER_PROTOCOL, import_pandas
 from ...detector import Proton, ProtonConfig
 from ...engine import arrivals_by_class, eviction_rows, prefix_sums, queue_changes, queue_lengths
-from ...scores import as_unit_rows
+from ...scores import as_unit_rows, whole_in_range
 from ..streams import make_stream
 
 # %% ../../../nbs/30_dynamics.ipynb
@@ -80,6 +80,8 @@ def dynamics(cache:EmbeddingCache, # the embedding cache the streams draw from
 def k_min_reached(rows, # a `dynamics` table of one stream
                   k_min:int=ProtonConfig().k_min): # images every class must hold
     "The first stream index at which every class has received `k_min` images, or None when some class never does."
+    k_min, shifts = whole_in_range(k_min, "k_min", 1), list(dict.fromkeys(rows["shift"]))
+    if len(shifts) > 1: raise ValueError(f"rows hold {len(shifts)} streams (shifts {', '.join(shifts)}): pass one, e.g. rows[rows['shift'] == {shifts[0]!r}]")
     full = rows.groupby("t").received.min() >= k_min
     return int(full.idxmax()) if full.any() else None
 

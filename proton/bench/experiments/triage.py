@@ -15,6 +15,7 @@ from sklearn.tree import DecisionTreeClassifier
 
 from ..cache import EmbeddingCache, check_cache
 from ...detector import Proton, ProtonConfig
+from ...scores import whole_in_range
 
 # %% ../../../nbs/31_triage.ipynb
 TRIAGE_CLASSIFIERS = {  # name -> seed -> unfitted scikit-learn classifier
@@ -38,10 +39,11 @@ def triage(cache:EmbeddingCache, # the embedding cache: ID images and at least t
     "Experiment 8: each OOD image's shift type predicted out of fold from its (S_base, S_proto) pair; one row per image."
     pd = import_pandas()
     check_cache(cache)
-    if classifier not in TRIAGE_CLASSIFIERS: raise ValueError(f"unknown classifier {classifier!r}: choose one of {list(TRIAGE_CLASSIFIERS)}")
-    features = (features,) if isinstance(features, str) else tuple(features)
-    bad = [f for f in features if f not in TRIAGE_FEATURES]
-    if bad or not features: raise ValueError(f"features must be a non-empty selection of {TRIAGE_FEATURES}, got {list(features)}")
+    if not isinstance(classifier, str) or classifier not in TRIAGE_CLASSIFIERS: raise ValueError(f"unknown classifier {classifier!r}: choose one of {list(TRIAGE_CLASSIFIERS)}")
+    given, features = features, (features,) if isinstance(features, str) else tuple(features) if isinstance(features, (list, tuple)) else ()
+    if not features or any(f not in TRIAGE_FEATURES for f in features): raise ValueError(f"features must be a non-empty selection of {TRIAGE_FEATURES}, got {given!r}")
+    n_splits, seed = whole_in_range(n_splits, "n_splits", 2), whole_in_range(seed, "seed", 0, 2**32 - 1)  # scikit-learn's seeds
+    if not (cache.shift == "id").any(): raise ValueError("triage needs ID images to seed the prototypes; the cache has none")
     try: cache.ood_shifts()
     except ValueError as e: raise ValueError(f"triage needs at least two OOD shifts: {e}") from None
     order = np.random.default_rng(seed).permutation(len(cache))

@@ -351,3 +351,21 @@ def test_regime_names_a_bad_grid_or_config(kwargs, error, message):
 def test_regime_runs_a_repeated_grid_value_once():
     r = regime(cov_shifts=(1., 1.), class_strengths=(.1,), n_id=20, n_per_shift=10, n_permutations=1, progress=False)
     assert r.groupby(["cov_shift", "class_strength", "method"]).size().max() == 1
+
+
+def test_prototype_history_and_pca_trajectories_name_bad_input():
+    "bank_size 0 gave all-zero prototypes, -1 unit-norm nonsense, None/2.5 raw TypeErrors; an empty stream a torch RuntimeError; pca_trajectories' n_components None or '2' raw TypeErrors and 'must be in [1, 0]'."
+    from proton.bench.experiments.dynamics import pca_trajectories
+    E = torch.nn.functional.normalize(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), dim=1)
+    pred, enq = torch.tensor([0, 1, 0, 1, 0, 1]), torch.ones(6, dtype=torch.bool)
+    for bad in (0, -1, None, 2.5):
+        with pytest.raises(ValueError, match=re.escape(f"bank_size must be an integer from 1 to 1048576, got {bad!r}")): prototype_history(E, pred, enq, 2, bad)
+    with pytest.raises(ValueError, match=r"predicted classes .*\[0, 1\)"): prototype_history(E, pred, enq, 1, 3)
+    with pytest.raises(ValueError, match=re.escape("n_classes must be a positive integer, got None")): prototype_history(E, pred, enq, None, 3)
+    with pytest.raises(ValueError, match=re.escape("enqueued must have shape (6,), got (5,)")): prototype_history(E, pred, enq[:5], 2, 3)
+    history, received = prototype_history(E[:0], pred[:0], enq[:0], 2, 3)
+    assert history.shape == (0, 2, 4) and received.shape == (0, 2)
+    history, received = prototype_history(E, pred, enq, 2, 3)
+    for bad in (None, "2", 2.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"n_components must be a positive integer, got {bad!r}")): pca_trajectories(history, received, bad)
+    with pytest.raises(ValueError, match=re.escape("n_components must be in [1, 4]")): pca_trajectories(history, torch.zeros_like(received), 5)

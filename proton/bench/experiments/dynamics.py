@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..cache import EmbeddingCache, check_cache
 from ..evaluation import PAPER_PROTOCOL, import_pandas
-from ...detector import Proton, ProtonConfig
+from ...detector import MAX_BANK, Proton, ProtonConfig, class_indices
 from ...engine import arrivals_by_class, eviction_rows, prefix_sums, queue_changes, queue_lengths
 from ...scores import as_unit_rows, whole_in_range
 from ..streams import make_stream
@@ -28,7 +28,12 @@ def prototype_history(image_embeddings:Tensor, # (N, d) L2-normalised embeddings
                       n_classes:int, # C, number of ID classes
                       bank_size:int): # M, capacity of each queue
     "(N, C, d) prototypes after each image, starting from an empty bank, and (N, C) images each class has received."
-    E, empty = image_embeddings, torch.zeros(n_classes, dtype=torch.long, device=image_embeddings.device)
+    n_classes, bank_size = whole_in_range(n_classes, "n_classes", 1), whole_in_range(bank_size, "bank_size", 1, MAX_BANK)
+    if image_embeddings.ndim != 2: raise ValueError(f"image_embeddings must have shape (N, d), got {tuple(image_embeddings.shape)}")
+    E, predicted = image_embeddings, class_indices(predicted, n_classes, "predicted classes", len(image_embeddings))
+    if enqueued.shape != predicted.shape: raise ValueError(f"enqueued must have shape ({len(E)},), got {tuple(enqueued.shape)}")
+    if not len(E): return E.new_zeros(0, n_classes, E.shape[1]), predicted.new_zeros(0, n_classes)  # an empty stream: no prototype, nothing received
+    empty = torch.zeros(n_classes, dtype=torch.long, device=E.device)
     before, _ = queue_lengths(empty, predicted, enqueued)
     grouped, first = arrivals_by_class(predicted, enqueued, n_classes)
     Src = torch.cat([E, E.new_zeros(1, E.shape[1])])  # the stream's embeddings, then the zero row
@@ -92,12 +97,12 @@ def pca_trajectories(history:Tensor, # (N, C, d) prototypes after each image, fr
     "(N, C, n_components) coordinates of every prototype on the principal components of all non-empty ones (NaN while a class is empty), and the share of variance each explains."
     if history.ndim != 3 or received.shape != history.shape[:2]:
         raise ValueError(f"history must be (N, C, d) and received (N, C), got {tuple(history.shape)} and {tuple(received.shape)}")
-    filled = received > 0
+    n_components, filled = whole_in_range(n_components, "n_components", 1), received > 0
     X = history[filled].double()
-    if not len(X) and 1 <= n_components <= history.shape[-1]:  # no prototype ever formed: no path, and no variance to share
+    if not len(X) and n_components <= history.shape[-1]:  # no prototype ever formed: no path, and no variance to share
         return torch.full((*history.shape[:2], n_components), torch.nan, dtype=torch.float64), torch.full((n_components,), torch.nan, dtype=torch.float64)
-    if not 1 <= n_components <= min(len(X), history.shape[-1]):
-        raise ValueError(f"n_components must be in [1, {min(len(X), history.shape[-1])}] (non-empty prototypes and dimensions), got {n_components}")
+    if n_components > (most := min(len(X) or history.shape[-1], history.shape[-1])):
+        raise ValueError(f"n_components must be in [1, {most}] (non-empty prototypes and dimensions), got {n_components}")
     centred = X - X.mean(0)
     _, S, Vh = torch.linalg.svd(centred, full_matrices=False)
     V = Vh[:n_components]

@@ -1,5 +1,6 @@
 """Cross-cutting tests of the synthetic presets and of experiments 6-9 and the regime map, on tiny caches."""
 import json
+import math
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -340,17 +341,16 @@ def test_shifts_that_are_no_name_nor_list_are_named(shifts):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(config="x"), TypeError, "config must be a ProtonConfig, got str"),
-    (dict(cov_shifts=2.0), ValueError, "cov_shifts must be a list of numbers, got 2.0"),
-    (dict(cov_shifts=None), ValueError, "cov_shifts must be a list of numbers, got None"),
-    (dict(class_strengths="0.3"), ValueError, "class_strengths must be a list of numbers, got '0.3'")])
+    (dict(cov_shifts=None), ValueError, "cov_shifts must be a value or a list of values, got None"),
+    (dict(class_strengths="0.3"), ValueError, "class_strength must be a finite number, got '0.3'")])
 def test_regime_names_a_bad_grid_or_config(kwargs, error, message):
-    "config='x' raised AttributeError, cov_shifts=2.0 or None a TypeError, and class_strengths='0.3' was read a character at a time."
+    "config='x' raised AttributeError, cov_shifts=None a TypeError, and class_strengths='0.3' was read a character at a time ('got '0'')."
     with pytest.raises(error, match=re.escape(message)): regime(**kwargs, n_id=20, n_per_shift=10, n_permutations=1, progress=False)
 
 
-def test_regime_runs_a_repeated_grid_value_once():
-    r = regime(cov_shifts=(1., 1.), class_strengths=(.1,), n_id=20, n_per_shift=10, n_permutations=1, progress=False)
-    assert r.groupby(["cov_shift", "class_strength", "method"]).size().max() == 1
+def test_regime_runs_a_repeated_grid_value_once_and_takes_a_single_value():
+    r = regime(cov_shifts=(1., 1), class_strengths=.1, n_id=20, n_per_shift=10, n_permutations=1, progress=False)
+    assert r.groupby(["cov_shift", "class_strength", "method"]).size().max() == 1 and set(r.class_strength) == {.1}
 
 
 def test_prototype_history_and_pca_trajectories_name_bad_input():
@@ -369,3 +369,57 @@ def test_prototype_history_and_pca_trajectories_name_bad_input():
     for bad in (None, "2", 2.5, True):
         with pytest.raises(ValueError, match=re.escape(f"n_components must be a positive integer, got {bad!r}")): pca_trajectories(history, received, bad)
     with pytest.raises(ValueError, match=re.escape("n_components must be in [1, 4]")): pca_trajectories(history, torch.zeros_like(received), 5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rhos=(0.7, 1.5)), "rho (the ID fraction) must be in (0, 1), got 1.5"),
+    (dict(misrouted=(0, 2.0)), "the misrouted share must be in [0, 1], got 2.0"),
+    (dict(misrouted=(0, math.nan)), "the misrouted share must be in [0, 1], got nan"),
+    (dict(orders=("shuffled", "bogus")), "unknown order 'bogus'"),
+    (dict(rho=1.5), "rho (the ID fraction) must be in (0, 1), got 1.5"),
+    (dict(rhos=("0.5",)), "rho (the ID fraction) must be in (0, 1), got '0.5'"),
+    (dict(orders=("id_first",), warmup=-5), "warmup must be a non-negative integer, got -5")])
+def test_robustness_refuses_a_bad_setting_instead_of_skipping_it(kwargs, message):
+    "A value of the user's own that evaluate refused was caught as a setting the cache cannot run: a warning, and a partial table returned."
+    with pytest.raises(ValueError, match=re.escape(message)): robustness(tiny_cache(), n_permutations=1, progress=False, **kwargs)
+
+
+def test_grids_take_one_value_and_run_a_repeat_once():
+    "orders='burst' was read a letter at a time (five skips), rhos=0.5 raised 'not iterable', gammas='0.5' said \"got '0'\", repeats ran twice (summarize then refused the table)."
+    from proton.bench.experiments.sensitivity import sensitivity
+    r = robustness(tiny_cache(), rhos=0.5, misrouted=(0, 0.), orders="burst", n_permutations=1, progress=False)
+    assert r.groupby(["factor", "rho", "misrouted", "order", "method", "shift"], dropna=False).size().max() == 1
+    assert set(r.order[r.factor == "order"]) == {"burst"} and set(r.rho[r.factor == "rho"]) == {0.5}
+    s = sensitivity(tiny_cache(), gammas=(1, 1.0), bank_sizes=50, var_refs=(), n_permutations=1, progress=False)
+    assert len(s[s.method == "proton"]) == len(s[s.method == "mcm"])
+
+
+def test_a_config_of_another_type_is_named_by_every_experiment():
+    "evaluate and the experiments raised AttributeError ('str' object has no attribute 'base_score'), ablation a TypeError from dataclasses.replace."
+    from proton.bench.experiments.ablation import ablation
+    from proton.bench.experiments.main_table import main_table
+    for run in (lambda c: evaluate(c, ["mcm", "proton"], config="x", progress=False), lambda c: main_table(c, config="x", progress=False),
+                lambda c: ablation(c, config="x", progress=False), lambda c: robustness(c, config="x", progress=False)):
+        with pytest.raises(TypeError, match="^config must be a ProtonConfig, got str$"): run(tiny_cache())
+
+
+def test_robustness_and_cross_domain_pass_methods_on_as_evaluate_takes_them():
+    "methods='proton' was read a letter at a time ('unknown method p'), a dict lost its configs, and [] ran the default methods."
+    cfg = ProtonConfig(gamma=.5)
+    r = robustness(tiny_cache(), rhos=(.5,), misrouted=(), orders=(), methods={"loose": ("proton", cfg)}, n_permutations=1, progress=False)
+    assert set(r.method) == {"loose"}
+    x = cross_domain({"a": tiny_cache()}, methods="proton", n_permutations=1, progress=False)
+    assert set(x.method) == {"proton"}
+    with pytest.raises(ValueError, match="methods is empty"): cross_domain({"a": tiny_cache()}, methods=[], n_permutations=1, progress=False)
+
+
+def test_cross_domain_refuses_domain_names_that_print_alike():
+    with pytest.raises(ValueError, match="domain names must differ as text"): cross_domain({1: tiny_cache(), "1": tiny_cache()}, n_permutations=1, progress=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(threads=0), "threads must be a positive integer, got 0"), (dict(threads="2"), "threads must be a positive integer, got '2'"),
+                                             (dict(rho="0.5"), "rho (the ID fraction) must be in (0, 1), got '0.5'"),
+                                             (dict(warmup="x"), "warmup must be a non-negative integer, got 'x'")])
+def test_evaluate_names_a_bad_setting(kwargs, message):
+    "threads 0 or '2' reached torch.set_num_threads (a RuntimeError naming no argument), rho '0.5' a raw TypeError, warmup 'x' was taken."
+    with pytest.raises(ValueError, match=re.escape(message)): evaluate(tiny_cache(), ["mcm"], n_permutations=1, progress=False, **kwargs)

@@ -4,9 +4,10 @@
 
 # %% auto 0
 __all__ = ['METHODS', 'HELD_OUT_FRACTION', 'METRICS', 'COLUMNS', 'PAPER_PROTOCOL', 'LABELS', 'SIMULATED', 'COURSE_CACHES',
-           'OPTION_FLAGS', 'DEFAULTS', 'import_pandas', 'import_tqdm', 'Method', 'proton_method', 'configured_methods',
-           'method_scores', 'Split', 'carve_held_out', 'SkippedWarning', 'Protocol', 'torch_threads', 'evaluate',
-           'summarize', 'summary_table', 'simulated_cache', 'course_cache', 'claim', 'origin', 'evaluate_main']
+           'OPTION_FLAGS', 'DEFAULTS', 'import_pandas', 'import_tqdm', 'Method', 'proton_method', 'check_config',
+           'as_grid', 'check_stream_settings', 'configured_methods', 'method_scores', 'Split', 'carve_held_out',
+           'SkippedWarning', 'Protocol', 'torch_threads', 'evaluate', 'summarize', 'summary_table', 'simulated_cache',
+           'course_cache', 'claim', 'origin', 'evaluate_main']
 
 # %% ../../nbs/23_evaluation.ipynb
 import argparse
@@ -60,9 +61,34 @@ def proton_method(base:str): # a non-privileged name in `BASELINES`
     "The name of PROTON with `base` as its base score: `proton` for MCM, `proton[<base>]` otherwise."
     return "proton" if base == "mcm" else f"proton[{base}]"
 
+def check_config(config): # PROTON's configuration, or None for the paper's
+    "`config`, or a `TypeError` unless it is a `ProtonConfig` or None."
+    if config is not None and not isinstance(config, ProtonConfig): raise TypeError(f"config must be a ProtonConfig, got {type(config).__name__}")
+    return config
+
+def as_grid(values, # one setting's values: a list, or a single value (a string is one value)
+            name:str): # the argument, for the message
+    "`values` as a list without repeats (equal values written alike or not, 1 and 1.0, run once), or a `ValueError` naming `name`."
+    if values is None: raise ValueError(f"{name} must be a value or a list of values, got None")
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"): return [values]
+    try: return list(dict.fromkeys(values))
+    except TypeError: raise ValueError(f"{name} must be a list of single values, got {values!r}") from None
+
+def check_stream_settings(rho=None, # ID fraction, in (0, 1); None: every image
+                          misrouted=0., # share of misrouted images, in [0, 1]
+                          order:str="shuffled", # one of `ORDERS`
+                          warmup=50): # leading ID images of order="id_first"
+    "The stream settings of `evaluate` checked, as (rho, misrouted, order, warmup), or a `ValueError` naming the first that is wrong."
+    r = None if rho is None else plain_number(rho)
+    if rho is not None and (r is None or not 0 < r < 1): raise ValueError(f"rho (the ID fraction) must be in (0, 1), got {rho!r}")
+    f = plain_number(misrouted)
+    if f is None or not 0 <= f <= 1: raise ValueError(f"the misrouted share must be in [0, 1], got {misrouted!r}")
+    if not isinstance(order, str) or order not in ORDERS: raise ValueError(f"unknown order {order!r}: choose one of {ORDERS}")
+    return r, f, order, whole_in_range(warmup, "warmup", 0)
+
 def configured_methods(config:ProtonConfig|None): # PROTON's configuration; None: the paper's
     "(the base score alone, PROTON on it) as method names for the base score `config` names; MCM's for a callable, which `evaluate` refuses."
-    base = config.base_score if config is not None and isinstance(config.base_score, str) else "mcm"
+    base = config.base_score if check_config(config) is not None and isinstance(config.base_score, str) else "mcm"
     return base, proton_method(base)
 
 def _methods():
@@ -335,13 +361,13 @@ def evaluate(cache:EmbeddingCache, # the embedding cache to evaluate
              threads:int|None=1): # torch threads while evaluating; None: torch's setting
     "Every method on every shift and stream order: a tidy DataFrame with columns `COLUMNS`."
     pd, tqdm = import_pandas(), import_tqdm()
-    if rho is not None and not 0 < rho < 1: raise ValueError(f"rho (the ID fraction) must be in (0, 1), got {rho}")
-    if order not in ORDERS: raise ValueError(f"unknown order {order!r}: choose one of {ORDERS}")
+    rho, misrouted, order, warmup = check_stream_settings(rho, misrouted, order, warmup)
+    threads = None if threads is None else whole_in_range(threads, "threads", 1)
     n_permutations = whole_in_range(n_permutations, "n_permutations", 1)
     if fpr95_convention not in FPR95_CONVENTIONS: raise ValueError(f"unknown FPR95 convention {fpr95_convention!r}: choose one of {FPR95_CONVENTIONS}")
     seed = whole_in_range(seed, "seed", 0, 2**32 - 1)  # a Python int: torch's generators take no numpy integer
     held_out_fraction = _share(held_out_fraction)
-    variants, shifts = _variants(methods, config), _shifts(shifts)
+    variants, shifts = _variants(methods, check_config(config)), _shifts(shifts)
     check_cache(cache)
     fit = fit_split and cache.fit_labels is not None
     if fit or not any(METHODS[name].privileged for name, _ in variants.values()): held_out_fraction = 0  # streams keep every ID image

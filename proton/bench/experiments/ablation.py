@@ -8,7 +8,7 @@ __all__ = ['NO_GATE', 'WARMUP', 'ablation_variants', 'ablation']
 # %% ../../../nbs/25_ablation.ipynb
 from dataclasses import replace
 
-from ..evaluation import PAPER_PROTOCOL, configured_methods, evaluate
+from ..evaluation import check_config, configured_methods, evaluate, PAPER_PROTOCOL
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -19,7 +19,7 @@ WARMUP = 50  # W: images whose base-score variance becomes σ²_0 in the last va
 
 def ablation_variants(config:ProtonConfig|None=None): # the full detector's configuration; None: the paper's
     "The ablation's rows as {label: (method, config)}: the base score (MCM), PROTON's components added one at a time, then σ²_0 from a warm-up."
-    full = ProtonConfig() if config is None else config
+    full = ProtonConfig() if check_config(config) is None else config
     open_gate = replace(full, gamma=NO_GATE)
     base, proton = configured_methods(full)
     return {base: (base, None),

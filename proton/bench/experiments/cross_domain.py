@@ -23,9 +23,11 @@ def cross_domain(caches:dict, # {domain name: EmbeddingCache}, one cache per dom
     "Experiment 6: `evaluate` on each domain's cache, stacked into one tidy table with a leading `domain` column."
     if not isinstance(caches, dict) or not caches: raise ValueError("caches must be a non-empty dict {domain name: EmbeddingCache}")
     for name, c in caches.items(): check_cache(c, f"caches[{name!r}]")
+    if len({str(k) for k in caches}) < len(caches): raise ValueError(f"domain names must differ as text (the domain column holds them as text), got {list(caches)}")
+    methods = configured_methods(config) if methods is None else methods
     frames = []
     for name, cache in caches.items():
-        df = evaluate(cache, list(methods or configured_methods(config)), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **options)
+        df = evaluate(cache, methods, n_permutations=n_permutations, seed=seed, config=config, progress=progress, **options)
         df.insert(0, "domain", str(name))
         frames.append(df)
     return import_pandas().concat(frames, ignore_index=True)

@@ -6,7 +6,7 @@
 __all__ = ['GENERALITY_BASES', 'PRIVILEGED', 'generality']
 
 # %% ../../../nbs/28_generality.ipynb
-from ..evaluation import PAPER_PROTOCOL, METHODS, evaluate, proton_method
+from ..evaluation import as_grid, evaluate, METHODS, PAPER_PROTOCOL, proton_method
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -23,6 +23,7 @@ def generality(cache:EmbeddingCache, # the embedding cache to evaluate
                progress:bool=True, # show a tqdm bar
                **options): # further arguments of `evaluate`, e.g. prompt_text_embeddings
     "Experiment 5: each base score alone and under PROTON, and the privileged detectors; the tidy results of `evaluate`."
+    bases = as_grid(bases, "bases")
     bad = [b for b in bases if b not in METHODS or METHODS[b].online or METHODS[b].privileged]
     if bad: raise ValueError(f"bases must be non-privileged baselines, got {bad}")
     methods = list(bases) + [proton_method(b) for b in bases] + (list(PRIVILEGED) if privileged else [])

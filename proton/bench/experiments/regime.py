@@ -9,18 +9,12 @@ __all__ = ['regime']
 from dataclasses import replace
 from itertools import product
 
-from ..evaluation import configured_methods, evaluate, import_pandas, import_tqdm
+from ..evaluation import as_grid, configured_methods, evaluate, import_pandas, import_tqdm
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 from ..synth import SyntheticWorld
 
 # %% ../../../nbs/32_regime.ipynb
-def _values(values, # a knob's values for the grid
-            name:str): # the knob's argument, for the message
-    "`values` as a list without repeats, or a `ValueError` unless it is a list of numbers (a repeated value would run twice)."
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"): raise ValueError(f"{name} must be a list of numbers, got {values!r}")
-    return list(dict.fromkeys(values))
-
 def regime(world:SyntheticWorld|None=None, # the base world whose other knobs are kept; None: SyntheticWorld()
            cov_shifts=(0., 0.5, 1., 2., 3., 4.), # values of `cov_shift`, the covariate images' mean domain offset
            class_strengths=(0.03, 0.05, 0.1, 0.2, 0.3, 0.4), # values of `class_strength`, κ
@@ -34,12 +28,11 @@ def regime(world:SyntheticWorld|None=None, # the base world whose other knobs ar
     pd, tqdm = import_pandas(), import_tqdm()
     world = SyntheticWorld() if world is None else world
     if not isinstance(world, SyntheticWorld): raise TypeError(f"world must be a SyntheticWorld, got {type(world).__name__}")
-    if config is not None and not isinstance(config, ProtonConfig): raise TypeError(f"config must be a ProtonConfig, got {type(config).__name__}")
-    grid = list(product(_values(cov_shifts, "cov_shifts"), _values(class_strengths, "class_strengths")))
+    grid = list(product(as_grid(cov_shifts, "cov_shifts"), as_grid(class_strengths, "class_strengths")))
     if not grid: raise ValueError("cov_shifts and class_strengths must both be non-empty")
-    frames = []
+    frames, methods = [], list(configured_methods(config))  # a config of another type is named here, before any world is built
     for cov_shift, strength in tqdm(grid, desc="regime", disable=not progress):
         cache = EmbeddingCache.from_world(replace(world, cov_shift=cov_shift, class_strength=strength), n_id, n_per_shift, seed=seed)
-        df = evaluate(cache, list(configured_methods(config)), shifts="covariate", n_permutations=n_permutations, seed=seed, config=config, progress=False)
+        df = evaluate(cache, methods, shifts="covariate", n_permutations=n_permutations, seed=seed, config=config, progress=False)
         frames.append(df.assign(cov_shift=float(cov_shift), class_strength=float(strength)))
     return pd.concat(frames, ignore_index=True)

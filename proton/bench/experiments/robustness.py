@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-from ..evaluation import PAPER_PROTOCOL, SkippedWarning, configured_methods, evaluate, import_pandas
+from ..evaluation import as_grid, check_stream_settings, configured_methods, evaluate, import_pandas, PAPER_PROTOCOL, SkippedWarning
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 from ..streams import ORDERS
@@ -31,12 +31,16 @@ def robustness(cache:EmbeddingCache, # the embedding cache to evaluate
                progress:bool=True, # show tqdm bars
                **options): # further arguments of `evaluate`
     "Experiment 4: `methods` as ρ, misrouting and order vary one at a time; the settings in front of `evaluate`'s columns."
+    rhos, misrouted, orders = as_grid(rhos, "rhos"), as_grid(misrouted, "misrouted"), as_grid(orders, "orders")
+    for r in rhos: check_stream_settings(rho=r)  # the user's values refused here: a ValueError below is a setting this cache cannot run
+    for f, o in [(f, "shuffled") for f in misrouted] + [(0., o) for o in orders]: check_stream_settings(rho, f, o, options.get("warmup", 50))
+    methods = configured_methods(config) if methods is None else methods
     runs = ([("rho", dict(rho=r), dict(rho=r, misrouted=0., order="shuffled")) for r in rhos] +
             [("misrouting", dict(rho=rho, misrouted=f), dict(rho=rho or np.nan, misrouted=f, order="shuffled")) for f in misrouted] +
             [("order", dict(rho=rho, order=o), dict(rho=rho or np.nan, misrouted=0., order=o)) for o in orders])
     frames, skipped = [], []
     for factor, settings, columns in runs:
-        try: df = evaluate(cache, list(methods or configured_methods(config)), n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
+        try: df = evaluate(cache, methods, n_permutations=n_permutations, seed=seed, config=config, progress=progress, **settings, **options)
         except ValueError as e:  # a setting this cache cannot run (too few ID images for id_first, one class to misroute): the others still can
             level = {"rho": columns["rho"], "misrouting": columns["misrouted"], "order": columns["order"]}[factor]
             skipped.append(f"{factor} {level} skipped: {e}"); warnings.warn(f"robustness: {skipped[-1]}", SkippedWarning, stacklevel=2)

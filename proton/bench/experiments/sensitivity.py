@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..evaluation import PAPER_PROTOCOL, configured_methods, evaluate, import_pandas
+from ..evaluation import as_grid, configured_methods, evaluate, import_pandas, PAPER_PROTOCOL
 from ..cache import EmbeddingCache
 from ...detector import ProtonConfig
 
@@ -43,6 +43,7 @@ def sensitivity(cache:EmbeddingCache, # the embedding cache to evaluate
     "Experiment 3: PROTON over the γ × M grid and over σ²_0, with its base score (MCM) as reference; settings in front of `evaluate`'s columns."
     base = ProtonConfig() if config is None else config
     reference, proton = configured_methods(base)
+    gammas, bank_sizes, var_refs = as_grid(gammas, "gammas"), as_grid(bank_sizes, "bank_sizes"), as_grid(var_refs, "var_refs")
     runs = {"gamma_M": ({f"γ={g}, M={m}": replace(base, gamma=g, bank_size=m) for g in gammas for m in bank_sizes}, grid_shifts),
             "var_ref": ({f"σ²₀={v}": replace(base, var_ref=v) for v in var_refs}, None)}
     if not any(configs for configs, _ in runs.values()): raise ValueError("nothing to evaluate: gammas or bank_sizes, and var_refs, are empty")
